@@ -1,0 +1,128 @@
+"""Where hosts come from. `LocalCluster` embeds a real Ray cluster on this machine whose "hosts"
+are Ray nodes (one raylet each) carrying the `remesh_host` resource; `RayCluster` attaches to a
+running cluster. Both answer `alive_hosts()`; only the local one can kill and add hosts (chaos).
+
+Token authentication stays on: the local cluster writes a fresh token (mode 0600) into its state
+directory and points RAY_AUTH_TOKEN_PATH at it before any Ray process starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tempfile
+import warnings
+
+import ray
+
+from .hosts import HOST_RESOURCE
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalClusterConfig:
+    hosts: int
+    # Ray's default node health check takes ~30 s to declare a dead node; a host loss must be
+    # noticed in about a second.
+    health_check_period_ms: int = 300
+    health_check_failure_threshold: int = 3
+    object_store_bytes: int = 80 * 2**20
+
+    def create(self) -> "LocalCluster":
+        return LocalCluster(self)
+
+
+class LocalCluster:
+    def __init__(self, config: LocalClusterConfig):
+        from ray.cluster_utils import Cluster
+
+        self.config = config
+        self._state_dir = tempfile.mkdtemp(prefix="remesh-cluster-")
+        _enable_token_auth(self._state_dir)
+        system_config = {
+            "health_check_initial_delay_ms": 0,
+            "health_check_period_ms": config.health_check_period_ms,
+            "health_check_timeout_ms": config.health_check_period_ms,
+            "health_check_failure_threshold": config.health_check_failure_threshold,
+        }
+        with warnings.catch_warnings():
+            # Ray starts its daemons with fork+exec, which is safe in a process that imported JAX.
+            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+            self._cluster = Cluster(
+                initialize_head=True,
+                shutdown_at_exit=False,  # shutdown() is explicit; Ray's hook trips over removed nodes
+                head_node_args=dict(num_cpus=1, include_dashboard=False,
+                                    object_store_memory=config.object_store_bytes, _system_config=system_config),
+            )
+        for _ in range(config.hosts):
+            self._add_node()
+        ray.init(address=self._cluster.address, log_to_driver=False)
+
+    @property
+    def address(self) -> str:
+        return self._cluster.address
+
+    def _add_node(self):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+            return self._cluster.add_node(num_cpus=1, resources={HOST_RESOURCE: 1},
+                                              object_store_memory=self.config.object_store_bytes)
+
+    def alive_hosts(self) -> list[str]:
+        return alive_hosts()
+
+    def kill_host(self, node_id: str) -> None:
+        """An ungraceful host loss: SIGKILL the node's raylet and every process on it."""
+        node = next((n for n in self._cluster.worker_nodes if n.node_id == node_id), None)
+        if node is None:
+            raise KeyError(f"no live emulated host with node id {node_id}")
+        self._cluster.remove_node(node, allow_graceful=False)
+
+    def add_host(self) -> None:
+        """Start one more host (Ray starts a node's daemons from the main thread only; the
+        running group keeps training meanwhile)."""
+        self._add_node()
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        self._cluster.shutdown()
+
+
+class RayCluster:
+    """A running Ray cluster (`ray start`), reached at `address`."""
+
+    def __init__(self, address: str = "auto"):
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+
+    def alive_hosts(self) -> list[str]:
+        return alive_hosts()
+
+    def kill_host(self, node_id: str) -> None:
+        raise NotImplementedError("chaos host kills need the embedded local cluster (remesh run without --address)")
+
+    def add_host(self):
+        raise NotImplementedError("chaos host adds need the embedded local cluster (remesh run without --address)")
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+
+
+def alive_hosts() -> list[str]:
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(HOST_RESOURCE))
+
+
+def _enable_token_auth(state_dir: str) -> None:
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return  # the user chose otherwise explicitly; respect it
+    path = os.path.join(state_dir, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    # Ray caches its config and token when it is imported; make this process see the new ones
+    # (the same refresh Ray's own `ray.init` does when it turns token auth on).
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()

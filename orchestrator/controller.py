@@ -1,0 +1,268 @@
+"""The job controller: an explicit state machine that executes policy decisions.
+
+    PLANNING --plan for the hosts there are--> STARTING --new group, restore--> RUNNING
+    RUNNING --hosts lost--> (FailurePolicy) PLANNING | FAILED
+    RUNNING --more hosts--> (ScalingPolicy) stop at the next checkpoint --> PLANNING
+    RUNNING --last step--> FINISHED
+
+`step()` performs exactly one transition (in RUNNING: one poll of the hosts), so a test can drive
+it one move at a time; `run()` loops until a terminal phase. Clocks, the poll interval, the
+planner and the host-group class are parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import time
+from typing import Callable
+
+from . import policies
+from .chaos import ChaosInjector, Fault
+from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError
+from .jobfile import JobSpec
+from .summary import RunSummary
+from .worker import SegmentSpec
+
+
+class Phase(enum.Enum):
+    PLANNING = "planning"
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (Phase.FINISHED, Phase.FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    poll_interval_s: float = 0.1
+    host_check_interval_s: float = 1.0  # how often to ask the cluster for new hosts
+    digest: bool = True
+    compilation_cache: str | None = None
+    env_vars: dict = dataclasses.field(default_factory=dict)
+
+
+class JobController:
+    def __init__(self, job: JobSpec, cluster, *, planner: Callable, fingerprint: str,
+                 config: ControllerConfig = ControllerConfig(), chaos: tuple[Fault, ...] = (),
+                 scaling: policies.ScalingPolicy | None = None, failure: policies.FailurePolicy | None = None,
+                 group_cls=HostGroup, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, printer: Callable[[str], None] = print):
+        self.job = job
+        self.cluster = cluster
+        self.planner = planner
+        self.fingerprint = fingerprint
+        self.config = config
+        self.scaling = scaling or policies.ScalingPolicy(job.hosts.min, job.hosts.max)
+        self.failure = failure or policies.FailurePolicy(job.hosts.min, job.hosts.max)
+        self.chaos = ChaosInjector(chaos)
+        self.group_cls = group_cls
+        self.clock, self.sleep, self.print = clock, sleep, printer
+        self.phase = Phase.PLANNING
+        self.summary = RunSummary(job=job.name, steps=job.steps)
+        self._t0 = clock()
+        self._target: int | None = None  # hosts the next segment should run on
+        self._plans: dict[tuple[str, int], object] = {}
+        self._plan = None
+        self._group: HostGroup | None = None
+        self._segment: dict | None = None
+        self._failures = 0
+        self._recovering_since: float | None = None  # loss detected at, until the first new step
+        self._stopping = False
+        self._last_host_check = 0.0
+        self._injected: dict[str, float] = {}  # node id -> when chaos killed it
+
+    # -- the state machine -------------------------------------------------------------------
+    def step(self) -> Phase:
+        handler = {Phase.PLANNING: self._planning, Phase.STARTING: self._starting, Phase.RUNNING: self._running}[self.phase]
+        self.phase = handler()
+        return self.phase
+
+    def run(self) -> RunSummary:
+        try:
+            while not self.phase.is_terminal:
+                self.step()
+        finally:
+            self._stop_group()
+            self.summary.state = self.phase.value
+            self.summary.wall_seconds = self._now()
+        return self.summary
+
+    def _now(self) -> float:
+        return self.clock() - self._t0
+
+    def _done_step(self) -> int:
+        return self.summary.steps_completed
+
+    # -- PLANNING ----------------------------------------------------------------------------
+    def _planning(self) -> Phase:
+        available = len(self.cluster.alive_hosts())
+        decision = self.scaling.initial(available) if self._target is None else policies.Resize(
+            min(self._target, available), "target after resize")
+        if isinstance(decision, policies.Fail) or decision.hosts < self.job.hosts.min:
+            return self._fail(getattr(decision, "reason", f"only {available} hosts available"))
+        self._target = decision.hosts
+        devices = decision.hosts * self.job.hosts.devices_per_host
+        t = self.clock()
+        key = (self.fingerprint, devices)
+        cached = key in self._plans
+        if not cached:
+            self._plans[key] = self.planner(devices)
+        self._plan = self._plans[key]
+        self.summary.event("replan", step=self._done_step(), at=self._now(), seconds=self.clock() - t,
+                           devices=devices, mesh=dict(self._plan.mesh), cached=cached, notes=list(self._plan.notes))
+        self.print(f"plan  {self._plan.describe()} on {decision.hosts} hosts" + (" (cached)" if cached else "")
+                   + "".join(f"\n      note: {n}" for n in self._plan.notes))
+        return Phase.STARTING
+
+    # -- STARTING ----------------------------------------------------------------------------
+    def _starting(self) -> Phase:
+        hosts = self._target
+        t = self.clock()
+        try:
+            self._group = self.group_cls(hosts, HostGroupConfig(self.job.hosts.devices_per_host, env_vars=self.config.env_vars))
+        except HostsUnavailableError as e:
+            self.print(f"warn  {e}; re-planning")
+            self._target = None
+            return Phase.PLANNING
+        spawn = self.clock() - t
+        freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
+        self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, freeze.get(i)))
+        self._segment = {"mesh": dict(self._plan.mesh), "hosts": hosts, "devices": self._plan.devices_used,
+                         "first_step": None, "last_step": None, "spawn_seconds": round(spawn, 3)}
+        self.summary.segments.append(self._segment)
+        self._stopping = False
+        self._last_host_check = self.clock()
+        return Phase.RUNNING
+
+    def _spec(self, process_id: int, coordinator: str, hosts: int, freeze: int | None) -> SegmentSpec:
+        job = self.job
+        return SegmentSpec(
+            program=job.program, steps=job.steps, global_batch=job.global_batch, seed=job.seed,
+            checkpoint=job.checkpoint, plan_json=self._plan.to_json(), coordinator=coordinator,
+            num_processes=hosts, process_id=process_id, segment=len(self.summary.segments),
+            digest=self.config.digest, freeze_before_save=freeze, compilation_cache=self.config.compilation_cache,
+        )
+
+    # -- RUNNING -----------------------------------------------------------------------------
+    def _running(self) -> Phase:
+        try:
+            statuses = self._group.poll()
+        except HostsLostError as e:
+            return self._on_hosts_lost(e)
+        for host, status in enumerate(statuses):
+            for report in status.reports:
+                self._on_report(host, report)
+        if all(s.done for s in statuses):
+            self._stop_group()
+            if self._done_step() >= self.job.steps:
+                return Phase.FINISHED
+            return Phase.PLANNING  # stopped at a checkpoint boundary to resize
+        self._inject_due_faults()
+        self._maybe_grow()
+        self.sleep(self.config.poll_interval_s)
+        return Phase.RUNNING
+
+    def _on_report(self, host: int, r: dict) -> None:
+        kind, now = r["kind"], self._now()
+        if kind == "step":
+            self.summary.losses[r["step"]] = r["loss"]
+            seg = self._segment
+            seg["first_step"] = seg["first_step"] or r["step"]
+            seg["last_step"] = r["step"]
+            if host == 0 and self._recovering_since is not None:
+                recovery = self.clock() - self._recovering_since
+                self.summary.recovery_seconds.append(round(recovery, 3))
+                self._recovering_since = None
+                self.print(f"      recovered in {recovery:.1f} s")
+            if host == 0:
+                self._progress(r)
+        elif kind == "chaos_frozen":
+            fault = next(f for f in self.chaos.save_faults() if f.step == r["step"])
+            self.chaos.fired(fault)
+            self._kill(host, f"lose-in-save@{r['step']}")
+        elif host == 0 and kind in ("group_start", "compile", "restore", "checkpoint"):
+            extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds")}
+            self.summary.event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
+            if kind == "restore":
+                self.print(f"      restored step {r['step']} in {r['seconds']:.2f} s")
+
+    def _progress(self, r: dict) -> None:
+        if r["step"] % 10 and r["step"] != self.job.steps and r["step"] != self._segment["first_step"]:
+            return
+        mesh = " x ".join(f"{k}={v}" for k, v in self._segment["mesh"].items())
+        self.print(f"step  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  "
+                   f"{r['tokens_per_second']:>9,.0f} tok/s  mesh {mesh}  hosts {self._segment['hosts']}")
+
+    def _on_hosts_lost(self, e: HostsLostError) -> Phase:
+        detected = self.clock()
+        alive = set(self.cluster.alive_hosts())
+        dead_nodes = [n for n in e.node_ids if n not in alive]
+        injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
+        self._failures += 1
+        self.summary.event("host_lost", step=self._done_step(), at=self._now(),
+                           seconds=(detected - injected[0]) if injected else 0.0,
+                           hosts=e.indices, nodes_dead=len(dead_nodes), detail=str(e))
+        self.print(f"lost  host(s) {e.indices} after step {self._done_step()} ({e})")
+        self._stop_group()
+        decision = self.failure.on_failure(policies.Failure(
+            hosts_in_group=self._target, hosts_lost=len(dead_nodes), processes_lost=len(e.indices) - len(dead_nodes),
+            hosts_alive=len(alive), failures_so_far=self._failures - 1))
+        if isinstance(decision, policies.Fail):
+            return self._fail(decision.reason)
+        self.print(f"      {type(decision).__name__.lower()} onto {decision.hosts} hosts: {decision.reason}")
+        self._target = decision.hosts
+        self._recovering_since = detected
+        return Phase.PLANNING
+
+    def _inject_due_faults(self) -> None:
+        for fault in self.chaos.due(self._done_step()):
+            if fault.kind == "lose":
+                host = fault.host if fault.host is not None else self._group.size - 1
+                self._kill(host, f"lose@{fault.step}")
+            elif fault.kind == "add":
+                self.print(f"chaos add@{fault.step}: adding a host")
+                self.cluster.add_host()
+
+    def _kill(self, host: int, why: str) -> None:
+        node = self._group.node_ids[host]
+        self.print(f"chaos {why}: killing host {host} (node {node[:8]})")
+        self._injected[node] = self.clock()
+        self.cluster.kill_host(node)
+
+    def _maybe_grow(self) -> None:
+        if self._stopping or self.clock() - self._last_host_check < self.config.host_check_interval_s:
+            return
+        self._last_host_check = self.clock()
+        available = len(self.cluster.alive_hosts())
+        decision = self.scaling.on_progress(self._group.size, available)
+        if isinstance(decision, policies.Resize):
+            self._stopping = True
+            self._target = decision.hosts
+            self.summary.event("host_added", step=self._done_step(), at=self._now(), hosts=decision.hosts)
+            self.print(f"grow  {decision.reason}: resizing to {decision.hosts} hosts at the next checkpoint")
+            self._group.request_stop()
+
+    def _fail(self, reason: str) -> Phase:
+        self.summary.reason = reason
+        self.print(f"fail  {reason}")
+        return Phase.FAILED
+
+    def _stop_group(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+
+
+def program_fingerprint(ref: str, abstract_state, abstract_batch) -> str:
+    """Identifies a program's shapes for the plan cache: same shapes, same plan."""
+    import jax
+
+    leaves = [(jax.tree_util.keystr(p), list(x.shape), str(x.dtype))
+              for tree in (abstract_state, abstract_batch) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return hashlib.sha256(json.dumps([ref, leaves]).encode()).hexdigest()[:16]

@@ -1,0 +1,180 @@
+"""Mechanism for one host group: one Ray actor per host, gang-scheduled with a placement group.
+
+The group is made for one segment and thrown away after it: a `jax.distributed` group cannot be
+resized in place, so every resize or failure starts a new group with a new coordinator.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from typing import Callable, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .worker import SegmentSpec
+
+HOST_RESOURCE = "remesh_host"
+
+
+class HostsUnavailableError(RuntimeError):
+    pass
+
+
+class HostsLostError(RuntimeError):
+    """Actors of the group died or stopped answering."""
+
+    def __init__(self, indices: Sequence[int], node_ids: Sequence[str], detail: str):
+        super().__init__(f"hosts {list(indices)} lost: {detail}")
+        self.indices = list(indices)
+        self.node_ids = list(node_ids)
+
+
+class SegmentFailedError(RuntimeError):
+    """The training code raised on a host (a bug, not a lost host): resizing will not help."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStatus:
+    reports: list[dict]
+    done: bool
+    error: str | None
+
+
+class HostActor:
+    """Runs `worker.run_segment` in a thread; `poll` drains its reports. Threaded (max_concurrency)
+    so that poll and request_stop answer while the segment trains."""
+
+    def __init__(self):
+        import jax  # noqa: F401  paid here, while the group forms, not on the critical path later
+
+        self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._done = False
+        self._error: str | None = None
+
+    def where(self) -> dict:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        ip = ray.util.get_node_ip_address()
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "port": port, "pid": os.getpid()}
+
+    def start(self, spec_json: str) -> None:
+        spec = SegmentSpec.from_json(spec_json)
+        threading.Thread(target=self._run, args=(spec,), daemon=True, name="segment").start()
+
+    def _run(self, spec: SegmentSpec) -> None:
+        from .worker import run_segment
+
+        try:
+            run_segment(spec, self._reports.put, self._stop.is_set)
+        except BaseException:
+            self._error = traceback.format_exc()
+        finally:
+            self._done = True
+
+    def poll(self) -> HostStatus:
+        done = self._done  # read before draining, so no report is left behind when done
+        reports = []
+        while True:
+            try:
+                reports.append(self._reports.get_nowait())
+            except queue.Empty:
+                return HostStatus(reports, done, self._error)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostGroupConfig:
+    devices_per_host: int
+    env_vars: dict = dataclasses.field(default_factory=dict)
+    fake_devices: bool = True  # emulated hosts: N fake CPU devices per process
+    schedule_timeout_s: float = 60.0
+    poll_timeout_s: float = 10.0  # a poll unanswered this long counts as a lost host
+
+
+class HostGroup:
+    def __init__(self, hosts: int, config: HostGroupConfig):
+        self.size = hosts
+        self.config = config
+        self._pg = placement_group([{HOST_RESOURCE: 1}] * hosts, strategy="STRICT_SPREAD")
+        if not self._ready(self._pg.ready(), config.schedule_timeout_s):
+            remove_placement_group(self._pg)
+            raise HostsUnavailableError(f"could not place {hosts} hosts within {config.schedule_timeout_s:.0f} s")
+        env = dict(config.env_vars)
+        if config.fake_devices:
+            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={config.devices_per_host}")
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(HostActor)
+        self.actors = [
+            actor_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": env},
+            ).remote()
+            for i in range(hosts)
+        ]
+        self.places = ray.get([a.where.remote() for a in self.actors], timeout=config.schedule_timeout_s)
+        self.node_ids = [p["node_id"] for p in self.places]
+        self.done = [False] * hosts
+
+    @staticmethod
+    def _ready(ref, timeout: float) -> bool:
+        ready, _ = ray.wait([ref], timeout=timeout)
+        return bool(ready)
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.places[0]['ip']}:{self.places[0]['port']}"
+
+    def start(self, spec_for: Callable[[int, str], SegmentSpec]) -> None:
+        ray.get([a.start.remote(spec_for(i, self.coordinator).to_json()) for i, a in enumerate(self.actors)])
+
+    def poll(self) -> list[HostStatus]:
+        refs = [a.poll.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.poll_timeout_s)
+        statuses, lost, details = [], [], []
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                lost.append(i)
+                details.append(f"host {i} did not answer within {self.config.poll_timeout_s:.0f} s")
+                continue
+            try:
+                statuses.append(ray.get(ref))
+            except ray.exceptions.RayActorError as e:
+                lost.append(i)
+                details.append(f"host {i}: {type(e).__name__}")
+        if lost:
+            raise HostsLostError(lost, [self.node_ids[i] for i in lost], "; ".join(details))
+        for i, s in enumerate(statuses):
+            if s.error:
+                raise SegmentFailedError(f"host {i} failed:\n{s.error}")
+            self.done[i] = s.done
+        return statuses
+
+    def request_stop(self) -> None:
+        # Only process 0's flag is read (it is broadcast at the checkpoint boundary), but asking
+        # every host costs nothing and survives a change of that rule.
+        for a in self.actors:
+            a.request_stop.remote()
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        remove_placement_group(self._pg)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

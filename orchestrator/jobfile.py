@@ -1,0 +1,132 @@
+"""The job file (TOML), parsed and validated once into small frozen dataclasses.
+
+    name = "gpt-demo"
+    program = "examples.gpt.model:program"
+    steps = 120
+    global_batch = 24
+    seed = 0                       # optional
+    hardware = "cpu"               # optional: the profile plans are priced with (h100, tpu-v5p, ...)
+    [hosts]
+    min = 2
+    max = 4
+    devices_per_host = 2
+    [checkpoint]
+    dir = "checkpoints"            # relative to the job file
+    every = 10
+    keep = 3                       # optional
+
+Unknown keys and wrong types are errors that name the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from typing import Any, Mapping
+
+
+class JobFileError(ValueError):
+    """The job file is missing a key, has an unknown key, or a value of the wrong type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostsSpec:
+    min: int
+    max: int
+    devices_per_host: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    dir: str
+    every: int
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    name: str
+    program: str
+    steps: int
+    global_batch: int
+    hosts: HostsSpec
+    checkpoint: CheckpointSpec
+    seed: int = 0
+    hardware: str = "cpu"
+
+    def with_checkpoint_dir(self, path: str) -> "JobSpec":
+        return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))
+
+
+_SCHEMA: dict[str, Any] = {
+    "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"),
+    "hosts": {"min": int, "max": int, "devices_per_host": int},
+    "checkpoint": {"dir": str, "every": int, "keep": (int, 3)},
+}
+
+
+def load_job(path: str | os.PathLike) -> JobSpec:
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise JobFileError(f"job file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise JobFileError(f"job file {path!r} is not valid TOML: {e}") from None
+    return parse_job(raw, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+
+
+def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<job>") -> JobSpec:
+    values = _check(raw, _SCHEMA, prefix="", source=source)
+    hosts = HostsSpec(**values["hosts"])
+    ckpt = values["checkpoint"]
+    ckpt["dir"] = os.path.normpath(os.path.join(base_dir, ckpt["dir"]))
+    job = JobSpec(
+        name=values["name"], program=values["program"], steps=values["steps"],
+        global_batch=values["global_batch"], seed=values["seed"], hardware=values["hardware"], hosts=hosts,
+        checkpoint=CheckpointSpec(**ckpt),
+    )
+    _check_values(job, source)
+    return job
+
+
+def _check(raw: Mapping[str, Any], schema: Mapping[str, Any], *, prefix: str, source: str) -> dict:
+    unknown = sorted(set(raw) - set(schema))
+    if unknown:
+        raise JobFileError(f"{source}: unknown key {prefix}{unknown[0]!s}; allowed keys here: {', '.join(prefix + k for k in schema)}")
+    out = {}
+    for key, kind in schema.items():
+        name = prefix + key
+        if isinstance(kind, dict):
+            if key not in raw or not isinstance(raw[key], dict):
+                raise JobFileError(f"{source}: missing table [{name}] with keys {', '.join(kind)}")
+            out[key] = _check(raw[key], kind, prefix=name + ".", source=source)
+            continue
+        kind, default = kind if isinstance(kind, tuple) else (kind, _REQUIRED)
+        if key not in raw:
+            if default is _REQUIRED:
+                raise JobFileError(f"{source}: missing key {name} (expected {kind.__name__})")
+            out[key] = default
+            continue
+        value = raw[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise JobFileError(f"{source}: key {name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        out[key] = value
+    return out
+
+
+_REQUIRED = object()
+
+
+def _check_values(job: JobSpec, source: str) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise JobFileError(f"{source}: {msg}")
+    need(":" in job.program and all(job.program.split(":", 1)), f"key program must look like 'module:attribute', got {job.program!r}")
+    need(job.steps > 0, f"key steps must be positive, got {job.steps}")
+    need(job.global_batch > 0, f"key global_batch must be positive, got {job.global_batch}")
+    need(1 <= job.hosts.min <= job.hosts.max, f"keys hosts.min and hosts.max need 1 <= min <= max, got min={job.hosts.min} max={job.hosts.max}")
+    need(job.hosts.devices_per_host > 0, f"key hosts.devices_per_host must be positive, got {job.hosts.devices_per_host}")
+    need(job.checkpoint.every > 0, f"key checkpoint.every must be positive, got {job.checkpoint.every}")
+    need(job.checkpoint.keep > 0, f"key checkpoint.keep must be positive, got {job.checkpoint.keep}")

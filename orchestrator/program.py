@@ -1,0 +1,80 @@
+"""The program contract: a user's single-device training program, with no sharding code.
+
+    program = remesh.Program(
+        init=lambda key: state,                 # PRNG key -> train state (any pytree of arrays)
+        step=train_step,                        # (state, batch) -> (state, {"loss": scalar, ...})
+        batch=lambda step, size: {...},         # global batch for a step index, numpy, leading dim `size`
+        tokens_per_example=seq_len,             # for tokens/s
+    )
+
+`batch` must be deterministic in the step index, so a resized or resumed job sees exactly the same
+data; any randomness in the step (dropout) must come from a PRNG key kept in the state, so that it
+is checkpointed and restored with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+
+class ProgramError(ValueError):
+    """The program named by a job is missing, or does not honour the contract."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    init: Callable[[Any], Any]
+    step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]]
+    batch: Callable[[int, int], Any]
+    tokens_per_example: int = 1
+
+
+def load_program(ref: str) -> Program:
+    """Import `module:attribute` and check it is a Program."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ProgramError(f"program must look like 'module:attribute', got {ref!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ProgramError(f"cannot import module {module_name!r} of program {ref!r}: {e}. Run from the directory that holds it, or add it to PYTHONPATH") from e
+    if not hasattr(module, attr):
+        raise ProgramError(f"module {module_name!r} has no attribute {attr!r} (program {ref!r})")
+    program = getattr(module, attr)
+    if not isinstance(program, Program):
+        raise ProgramError(f"{ref} must be an orchestrator.Program (init, step, batch), got {type(program).__name__}")
+    return program
+
+
+def check_program(program: Program, global_batch: int, seed: int = 0):
+    """Abstractly evaluate init, batch and step once; returns (abstract state, abstract batch).
+
+    Catches a broken program at submission instead of on every host after start-up."""
+    import jax
+
+    key = jax.random.key(seed)
+    try:
+        state = jax.eval_shape(program.init, key)
+    except Exception as e:
+        raise ProgramError(f"program.init(key) failed: {type(e).__name__}: {e}") from e
+    batch = program.batch(0, global_batch)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = np.shape(leaf)
+        if not shape or shape[0] != global_batch:
+            raise ProgramError(
+                f"program.batch(step, {global_batch}) leaf {jax.tree_util.keystr(path)} has shape {shape}; "
+                f"expected leading dimension {global_batch} (the job's global_batch)"
+            )
+    abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+    try:
+        out = jax.eval_shape(program.step, state, abstract_batch)
+    except Exception as e:
+        raise ProgramError(f"program.step(state, batch) failed: {type(e).__name__}: {e}") from e
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping) and "loss" in out[1]):
+        raise ProgramError("program.step must return (state, metrics) with metrics a dict holding 'loss'")
+    if jax.tree.structure(out[0]) != jax.tree.structure(state):
+        raise ProgramError("program.step must return a new state with the same structure as program.init's")
+    return state, abstract_batch

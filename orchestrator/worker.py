@@ -1,0 +1,191 @@
+"""The per-host SPMD worker: one process of one `jax.distributed` group, training one segment.
+
+`run_segment` is a plain function so that it runs the same under a Ray host actor, in a bare
+process on a GPU machine without Ray (`python -m orchestrator.worker`), or in a test. It binds the
+plan to this group's devices, restores the newest committed checkpoint onto the plan's shardings
+(or initialises), and trains until the job's last step or until the controller asks it to stop at a
+checkpoint boundary. Everything it does is reported as small dicts through `report`.
+
+Process set-up (`XLA_FLAGS` for fake devices, `JAX_PLATFORMS`) must happen before jax is imported,
+so it belongs to whoever starts the process, never to this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from .jobfile import CheckpointSpec
+
+Report = Callable[[dict], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentSpec:
+    """Everything one process needs to run one segment; plain data, so it crosses Ray and JSON."""
+
+    program: str
+    steps: int
+    global_batch: int
+    seed: int
+    checkpoint: CheckpointSpec
+    plan_json: str
+    coordinator: str
+    num_processes: int
+    process_id: int
+    segment: int = 0
+    digest: bool = True  # record a digest of the state at every save and restore (bitwise checks)
+    freeze_before_save: int | None = None  # fault injection: hang instead of saving this step
+    compilation_cache: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SegmentSpec":
+        d = json.loads(text)
+        d["checkpoint"] = CheckpointSpec(**d["checkpoint"])
+        return cls(**d)
+
+
+def start_group(spec: SegmentSpec) -> None:
+    """Join this process to its `jax.distributed` group (Gloo on CPU; NCCL on GPUs)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if spec.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", spec.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if spec.num_processes > 1:
+        jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, initialization_timeout=60)
+
+
+def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], bool] = lambda: False) -> dict:
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from checkpoint import Store, StoreConfig
+    from partitioner import Plan
+
+    from .program import load_program
+
+    t0 = time.perf_counter()
+    start_group(spec)
+    report({"kind": "group_start", "seconds": time.perf_counter() - t0, "devices": jax.device_count()})
+
+    program = load_program(spec.program)
+    plan = Plan.from_json(spec.plan_json)
+    mesh = plan.bind(jax.devices())
+    key = jax.random.key(spec.seed)
+    abstract_state = jax.eval_shape(program.init, key)
+    abstract_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), program.batch(0, spec.global_batch))
+    state_sh = plan.shardings(mesh, abstract_state, argnum=0)
+    batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    store = StoreConfig(keep_last=spec.checkpoint.keep).create(spec.checkpoint.dir)
+    state, first = _restore_or_init(store, program, key, abstract_state, state_sh, spec, report)
+
+    t = time.perf_counter()
+    step_fn = jax.jit(program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                      donate_argnums=(0,))
+    compiled = step_fn.lower(abstract_state, abstract_batch).compile()
+    report({"kind": "compile", "seconds": time.perf_counter() - t})
+
+    tokens = spec.global_batch * program.tokens_per_example
+    done = first
+    for index in range(first, spec.steps):
+        t = time.perf_counter()
+        batch = _global_batch(program.batch(index, spec.global_batch), batch_sh)
+        state, metrics = compiled(state, batch)
+        loss = float(metrics["loss"])  # also the step's sync point
+        seconds = time.perf_counter() - t
+        done = index + 1
+        report({"kind": "step", "step": done, "loss": loss, "seconds": seconds, "tokens_per_second": tokens / seconds})
+        if done % spec.checkpoint.every == 0 or done == spec.steps:
+            _save(store, state, plan, done, spec, report)
+            stop = multihost_utils.broadcast_one_to_all(np.int32(should_stop()))
+            if done < spec.steps and int(stop):
+                break
+    t = time.perf_counter()
+    store.wait()
+    report({"kind": "checkpoint_flush", "step": done, "seconds": time.perf_counter() - t})
+    store.close()
+    return {"last_step": done}
+
+
+def _restore_or_init(store, program, key, abstract_state, state_sh, spec: SegmentSpec, report: Report):
+    import jax
+
+    step = store.latest()
+    if step is None:
+        return jax.jit(program.init, out_shardings=state_sh)(key), 0
+    t = time.perf_counter()
+    meta = store.metadata(step)["meta"]
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
+    state = store.restore(step, target=target)
+    event = {"kind": "restore", "step": step, "seconds": time.perf_counter() - t}
+    if spec.digest:
+        event.update(digest=state_digest(state), saved_digest=meta.get("digest"))
+    report(event)
+    return state, int(meta["data_position"])
+
+
+def _save(store, state, plan, step: int, spec: SegmentSpec, report: Report) -> None:
+    if spec.freeze_before_save == step:
+        report({"kind": "chaos_frozen", "step": step})
+        threading.Event().wait()  # fault injection: hang here until the host is killed
+    t = time.perf_counter()
+    meta = {"data_position": step, "segment": spec.segment}
+    if spec.digest:
+        meta["digest"] = state_digest(state)
+    store.save(step, state, plan=plan, meta=meta)
+    report({"kind": "checkpoint", "step": step, "seconds": time.perf_counter() - t})
+
+
+def _global_batch(host_batch: Any, shardings: Any):
+    """Each process supplies only the slices of the global batch its devices hold."""
+    import jax
+    import numpy as np
+
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]), host_batch, shardings)
+
+
+def state_digest(state: Any) -> str:
+    """SHA-256 over every leaf's global value (gathered), independent of mesh and sharding."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(str(value.dtype).encode() + str(value.shape).encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one segment without Ray: `python -m orchestrator.worker SPEC.json` (prints reports)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("spec", help="SegmentSpec as JSON (a file path)")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = SegmentSpec.from_json(f.read())
+    run_segment(spec, lambda r: print(json.dumps(r), flush=True))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

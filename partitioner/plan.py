@@ -1,0 +1,172 @@
+"""A plan is pure data: mesh axis names and sizes, a PartitionSpec per argument and output leaf, and
+its predicted cost. Devices are bound last (`Plan.bind`), so one plan serves every restart on a mesh
+of the same shape, and plans travel as JSON between the controller and the hosts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+FORMAT = "remesh.plan/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Predicted seconds per call, split into compute and communication, and peak bytes per device."""
+
+    compute_seconds: float
+    communication_seconds: float
+    collective_bytes: Mapping[str, int]  # collective kind -> bytes moved per device per call
+    peak_bytes_per_device: int
+
+    @property
+    def total_seconds(self) -> float:
+        return self.compute_seconds + self.communication_seconds
+
+
+class PlanMismatchError(ValueError):
+    """A plan was asked for specs of a tree it was not computed for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """See the module docstring. `in_specs`/`out_specs` are pytrees of PartitionSpec.
+
+    Example:
+        >>> plan = partitioner.plan(step, state, batch, devices=8)
+        >>> mesh = plan.bind(jax.devices())
+        >>> state_shardings = plan.shardings(mesh, state, argnum=0)
+    """
+
+    mesh: Mapping[str, int]
+    in_specs: tuple[Any, ...]
+    out_specs: Any
+    cost: Cost
+    search_seconds: float
+    devices: int  # devices offered; `devices_used` may be fewer when no mesh divides evenly
+    notes: tuple[str, ...] = ()
+
+    @property
+    def devices_used(self) -> int:
+        return int(np.prod(list(self.mesh.values()), dtype=np.int64))
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh)
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        used = f"{self.devices_used} of {self.devices} devices" if self.devices_used != self.devices else f"{self.devices} devices"
+        return f"mesh {axes} ({used})"
+
+    # -- binding ---------------------------------------------------------------------------
+    def abstract_mesh(self) -> jax.sharding.AbstractMesh:
+        return jax.sharding.AbstractMesh(tuple(self.mesh.values()), self.axis_names)
+
+    def bind(self, devices: Sequence[jax.Device]) -> Mesh:
+        """A concrete mesh on the first `devices_used` of `devices` (in the order given)."""
+        devices = list(devices)
+        if len(devices) < self.devices_used:
+            raise ValueError(
+                f"plan needs {self.devices_used} devices for mesh {dict(self.mesh)}, but got "
+                f"{len(devices)}; re-plan for the devices you have"
+            )
+        grid = np.array(devices[: self.devices_used], dtype=object).reshape(tuple(self.mesh.values()))
+        return Mesh(grid, self.axis_names)
+
+    def specs_like(self, tree: Any, *, argnum: int | None = None) -> Any:
+        """PartitionSpecs for `tree`, matched leaf by leaf by key path (works after from_json)."""
+        flat = _flatten_specs(self.in_specs[argnum] if argnum is not None else self.out_specs)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        specs = []
+        for path, _ in leaves:
+            key = jax.tree_util.keystr(path)
+            if key not in flat:
+                where = f"argument {argnum}" if argnum is not None else "outputs"
+                raise PlanMismatchError(
+                    f"plan has no spec for {where} leaf {key}; the plan covers {len(flat)} leaves "
+                    f"(e.g. {next(iter(flat), '-')}). Re-plan for this program."
+                )
+            specs.append(flat[key])
+        return jax.tree_util.tree_unflatten(treedef, specs)
+
+    def shardings(self, mesh: Mesh, tree: Any, *, argnum: int | None = None) -> Any:
+        specs = self.specs_like(tree, argnum=argnum)
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+    def jit(self, fn, args: Sequence[Any], devices: Sequence[jax.Device], **jit_kwargs):
+        """`fn` jitted with this plan's shardings on `devices`."""
+        mesh = self.bind(devices)
+        ins = tuple(self.shardings(mesh, a, argnum=i) for i, a in enumerate(args))
+        outs = jax.tree.map(lambda s: NamedSharding(mesh, s), self.out_specs, is_leaf=_is_spec)
+        return jax.jit(fn, in_shardings=ins, out_shardings=outs, **jit_kwargs)
+
+    # -- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "mesh": [[k, int(v)] for k, v in self.mesh.items()],
+            "in_specs": [_specs_to_json(t) for t in self.in_specs],
+            "out_specs": _specs_to_json(self.out_specs),
+            "cost": dataclasses.asdict(self.cost),
+            "search_seconds": self.search_seconds,
+            "devices": self.devices,
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Plan":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"expected a plan with format {FORMAT!r}, got {d.get('format')!r}")
+        return cls(
+            mesh={k: v for k, v in d["mesh"]},
+            in_specs=tuple(_specs_from_json(t) for t in d["in_specs"]),
+            out_specs=_specs_from_json(d["out_specs"]),
+            cost=Cost(**d["cost"]),
+            search_seconds=d["search_seconds"],
+            devices=d["devices"],
+            notes=tuple(d["notes"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+class FlatSpecs(dict):
+    """Specs keyed by pytree key path, as a plan read from JSON holds them (no treedef in JSON)."""
+
+
+def _flatten_specs(tree) -> dict[str, PartitionSpec]:
+    if isinstance(tree, FlatSpecs):
+        return tree
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
+    return {jax.tree_util.keystr(p): s for p, s in leaves}
+
+
+def _spec_to_json(spec: PartitionSpec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _spec_from_json(entries: list) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
+
+def _specs_to_json(tree) -> dict[str, list]:
+    return {k: _spec_to_json(s) for k, s in _flatten_specs(tree).items()}
+
+
+def _specs_from_json(d: Mapping[str, list]) -> FlatSpecs:
+    return FlatSpecs({k: _spec_from_json(v) for k, v in d.items()})
