@@ -52,7 +52,7 @@ class JobController:
                  config: ControllerConfig = ControllerConfig(), chaos: tuple[Fault, ...] = (),
                  scaling: policies.ScalingPolicy | None = None, failure: policies.FailurePolicy | None = None,
                  group_cls=HostGroup, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, printer: Callable[[str], None] = print):
+                 sleep: Callable[[float], None] = time.sleep, printer: Callable[[str], None] | None = None):
         self.job = job
         self.cluster = cluster
         self.planner = planner
@@ -62,7 +62,8 @@ class JobController:
         self.failure = failure or policies.FailurePolicy(job.hosts.min, job.hosts.max)
         self.chaos = ChaosInjector(chaos)
         self.group_cls = group_cls
-        self.clock, self.sleep, self.print = clock, sleep, printer
+        self.clock, self.sleep = clock, sleep
+        self.print = printer or (lambda line: print(line, flush=True))
         self.phase = Phase.PLANNING
         self.summary = RunSummary(job=job.name, steps=job.steps)
         self._t0 = clock()

@@ -11,7 +11,7 @@ from .program import check_program, load_program
 
 
 def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = None, hosts: int | None = None,
-            config: ControllerConfig | None = None, printer=print):
+            config: ControllerConfig | None = None, printer=None):
     """Run `job` to completion on an embedded local cluster (or the Ray cluster at `address`);
     returns the RunSummary."""
     import partitioner
@@ -35,7 +35,7 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
         cluster = RayCluster(address)
     else:
         n = hosts or job.hosts.max
-        printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
+        (printer or print)(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
         cluster = LocalClusterConfig(hosts=n).create()
     try:
         controller = JobController(job, cluster, planner=planner, fingerprint=fingerprint, config=config,

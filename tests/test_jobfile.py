@@ -1,0 +1,64 @@
+import pytest
+
+from orchestrator import JobFileError, load_job, parse_job
+
+pytestmark = pytest.mark.unit
+
+GOOD = {
+    "name": "j", "program": "examples.gpt.model:program", "steps": 10, "global_batch": 8,
+    "hosts": {"min": 1, "max": 2, "devices_per_host": 2}, "checkpoint": {"dir": "ck", "every": 5},
+}
+
+
+def with_(**changes):
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in GOOD.items()}
+    for dotted, value in changes.items():
+        *tables, key = dotted.split("__")
+        target = raw
+        for t in tables:
+            target = target[t]
+        if value is None:
+            del target[key]
+        else:
+            target[key] = value
+    return raw
+
+
+def test_parses_with_defaults_and_resolves_dir(tmp_path):
+    job = parse_job(GOOD, base_dir=str(tmp_path))
+    assert job.steps == 10 and job.seed == 0 and job.hardware == "cpu" and job.checkpoint.keep == 3
+    assert job.checkpoint.dir == str(tmp_path / "ck")
+    assert job.hosts.devices_per_host == 2
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"stepz": 3}, ["unknown key stepz"]),
+    ({"hosts__gpus": 3}, ["unknown key hosts.gpus"]),
+    ({"steps": "10"}, ["key steps must be int", "str"]),
+    ({"steps": True}, ["key steps must be int", "bool"]),
+    ({"checkpoint__every": 1.5}, ["checkpoint.every must be int"]),
+    ({"global_batch": None}, ["missing key global_batch"]),
+    ({"hosts": None}, ["missing table [hosts]"]),
+    ({"program": "no_colon"}, ["module:attribute", "no_colon"]),
+    ({"hosts__min": 3}, ["1 <= min <= max", "min=3 max=2"]),
+    ({"steps": 0}, ["steps must be positive"]),
+])
+def test_bad_job_files_name_the_key(changes, words):
+    with pytest.raises(JobFileError) as e:
+        parse_job(with_(**changes))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_load_job_errors_on_missing_and_invalid_toml(tmp_path):
+    with pytest.raises(JobFileError, match="does not exist"):
+        load_job(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(JobFileError, match="not valid TOML"):
+        load_job(bad)
+
+
+def test_example_job_file_is_valid():
+    job = load_job("examples/gpt/job.toml")
+    assert job.global_batch % 8 == 0 and job.global_batch % 6 == 0

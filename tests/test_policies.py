@@ -1,0 +1,42 @@
+import pytest
+
+from orchestrator import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
+from orchestrator.chaos import ChaosInjector, ChaosSpecError, Fault, parse_chaos
+
+pytestmark = pytest.mark.unit
+
+
+def test_scaling_starts_on_what_is_there_up_to_max_and_grows():
+    p = ScalingPolicy(min_hosts=2, max_hosts=4)
+    assert p.initial(6) == Resize(4, "6 hosts available at start")
+    assert isinstance(p.initial(1), Fail)
+    assert p.on_progress(current=3, available=4).hosts == 4
+    assert p.on_progress(current=4, available=5) == Continue()
+    assert p.on_progress(current=3, available=3) == Continue()
+
+
+def failure(**kw):
+    base = dict(hosts_in_group=4, hosts_lost=1, processes_lost=0, hosts_alive=3, failures_so_far=0)
+    return Failure(**{**base, **kw})
+
+
+def test_failure_policy_decisions():
+    p = FailurePolicy(min_hosts=2, max_hosts=4, max_failures=3)
+    assert p.on_failure(failure()) == Resize(3, "1 host(s) lost")
+    assert isinstance(p.on_failure(failure(hosts_lost=0, processes_lost=1, hosts_alive=4)), Restart)
+    assert "needs at least 2" in p.on_failure(failure(hosts_alive=1)).reason
+    assert "max_failures=3" in p.on_failure(failure(failures_so_far=3)).reason
+
+
+def test_chaos_parsing_and_firing():
+    faults = parse_chaos("add@80, lose@40,lose-in-save@50:0")
+    assert faults == (Fault("lose", 40), Fault("lose-in-save", 50, 0), Fault("add", 80))
+    inj = ChaosInjector(faults)
+    assert inj.due(39) == []
+    assert inj.due(45) == [Fault("lose", 40)]
+    assert inj.due(45) == []  # fires once
+    assert inj.save_faults() == [Fault("lose-in-save", 50, 0)]
+    assert inj.due(100) == [Fault("add", 80)]
+    for bad in ("lose", "lose@x", "explode@3", "add@3:1"):
+        with pytest.raises(ChaosSpecError):
+            parse_chaos(bad)
