@@ -135,7 +135,8 @@ class JobController:
         freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
         self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, freeze.get(i)))
         self._segment = {"mesh": dict(self._plan.mesh), "hosts": hosts, "devices": self._plan.devices_used,
-                         "first_step": None, "last_step": None, "spawn_seconds": round(spawn, 3)}
+                         "first_step": None, "last_step": None, "spawn_seconds": round(spawn, 3),
+                         "started_at": round(t - self._t0, 3), "first_step_at": None}
         self.summary.segments.append(self._segment)
         self._stopping = False
         self._last_host_check = self.clock()
@@ -174,7 +175,8 @@ class JobController:
         if kind == "step":
             self.summary.losses[r["step"]] = r["loss"]
             seg = self._segment
-            seg["first_step"] = seg["first_step"] or r["step"]
+            if seg["first_step"] is None:
+                seg["first_step"], seg["first_step_at"] = r["step"], round(now, 3)
             seg["last_step"] = r["step"]
             if host == 0 and self._recovering_since is not None:
                 recovery = self.clock() - self._recovering_since

@@ -127,3 +127,11 @@ def _markov_table(cfg: GPTConfig) -> np.ndarray:
 
 
 program = make_program()
+
+
+def plan_target():
+    """For `remesh plan examples.gpt.model:plan_target --devices 8`: the step and abstract args."""
+    from orchestrator import check_program
+
+    state, batch = check_program(program, 24)
+    return program.step, (state, batch)
