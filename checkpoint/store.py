@@ -87,9 +87,15 @@ class Store:
         return dict(restored["meta"])
 
     def restore(self, step: int | None = None, *, target: Any) -> Any:
-        """Restore onto `target`, a pytree of jax.ShapeDtypeStruct carrying the new shardings."""
+        """Restore onto `target`, a pytree of jax.ShapeDtypeStruct carrying the new shardings.
+
+        A leaf without a sharding is restored whole onto this process's first device."""
         step = self._resolve(step)
         self._check_target(step, target)
+        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(
+            lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local),
+            target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
         return self._manager.restore(step, args=args)["state"]
 

@@ -97,3 +97,14 @@ def test_a_save_killed_mid_write_leaves_the_committed_step_restorable(tmp_path):
     for step in store.steps():
         value = store.restore(step, target={"w": jax.ShapeDtypeStruct((4_000_000,), np.float32)})["w"]
         np.testing.assert_array_equal(np.asarray(value), np.arange(4_000_000, dtype=np.float32) + (step - 1))
+
+
+def test_a_target_without_shardings_restores_onto_one_local_device(tmp_path, devices8):
+    state = make_state()
+    store = Store(tmp_path)
+    store.save(1, place(state, devices8, "fsdp"))
+    store.wait()
+    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+    restored = store.restore(target=plain)
+    assert restored["w"].sharding.device_set == {jax.local_devices()[0]}
+    np.testing.assert_array_equal(np.asarray(restored["w"]), state["w"])
