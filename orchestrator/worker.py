@@ -59,8 +59,45 @@ def start_group(spec: SegmentSpec) -> None:
     if spec.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", spec.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        _process_invariant_cpu_cache_keys()
     if spec.num_processes > 1:
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, initialization_timeout=60)
+
+
+def _process_invariant_cpu_cache_keys() -> None:
+    """Make compilation-cache keys of multi-process CPU programs equal on every process.
+
+    JAX keys the cache partly on XLA's topology fingerprint, which on CPU differs between the
+    processes of one group although they compile the same SPMD program; so no process can reuse
+    another's executable. On CPU, key on each device's kind, global id and process instead
+    (the device assignment itself is already in the compile options). Other platforms keep
+    JAX's own key. Idempotent; installed at process set-up, never at import."""
+    from jax._src import cache_key
+
+    original = getattr(cache_key._hash_accelerator_config, "__wrapped__", cache_key._hash_accelerator_config)
+
+    def hash_accelerator_config(hash_obj, accelerators):
+        if all(d.platform == "cpu" for d in accelerators.flat):
+            for d in accelerators.flat:
+                hash_obj.update(f"{d.device_kind}/{d.id}/{d.process_index};".encode())
+        else:
+            original(hash_obj, accelerators)
+
+    hash_accelerator_config.__wrapped__ = original
+    cache_key._hash_accelerator_config = hash_accelerator_config
+
+
+def _compile_once(lowered, spec: "SegmentSpec"):
+    """One process compiles the step and hands the executable to the others via the coordinator,
+    instead of every host compiling the same SPMD program (hosts that share cores, as emulated
+    hosts do, would each take n times as long). Scoped to this compile: Orbax compiles helpers on
+    some processes only, and those must never wait for a peer."""
+    from jax._src import config as jax_config
+
+    if not spec.compilation_cache or spec.num_processes == 1:
+        return lowered.compile()
+    with jax_config.share_binary_between_hosts(True):
+        return lowered.compile()
 
 
 def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], bool] = lambda: False) -> dict:
@@ -94,7 +131,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     t = time.perf_counter()
     step_fn = jax.jit(program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                       donate_argnums=(0,))
-    compiled = step_fn.lower(abstract_state, abstract_batch).compile()
+    compiled = _compile_once(step_fn.lower(abstract_state, abstract_batch), spec)
     report({"kind": "compile", "seconds": time.perf_counter() - t})
 
     tokens = spec.global_batch * program.tokens_per_example
@@ -165,7 +202,10 @@ def state_digest(state: Any) -> str:
 
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        if leaf.is_fully_replicated:  # every process holds it whole: nothing to gather
+            value = np.asarray(leaf.addressable_data(0))
+        else:
+            value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         h.update(jax.tree_util.keystr(path).encode())
         h.update(str(value.dtype).encode() + str(value.shape).encode())
         h.update(np.ascontiguousarray(value).tobytes())
