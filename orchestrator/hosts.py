@@ -10,7 +10,6 @@ import os
 import queue
 import socket
 import threading
-import time
 import traceback
 from typing import Callable, Sequence
 
@@ -99,7 +98,9 @@ class HostGroupConfig:
     env_vars: dict = dataclasses.field(default_factory=dict)
     fake_devices: bool = True  # emulated hosts: N fake CPU devices per process
     schedule_timeout_s: float = 60.0
-    poll_timeout_s: float = 10.0  # a poll unanswered this long counts as a lost host
+    # A poll unanswered this long counts as a lost host. Dead actors are reported by Ray within a
+    # second; this only catches a host that hangs, so it can be generous.
+    poll_timeout_s: float = 30.0
 
 
 class HostGroup:
@@ -170,11 +171,3 @@ class HostGroup:
             ray.kill(a, no_restart=True)
         remove_placement_group(self._pg)
 
-
-def wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()

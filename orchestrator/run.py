@@ -1,6 +1,7 @@
 """`remesh run`: wire a job file to a cluster, a planner and a controller, and run it."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -29,8 +30,11 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
 
     config = config or ControllerConfig()
     pythonpath = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-    config = ControllerConfig(**{**config.__dict__, "env_vars": {"PYTHONPATH": pythonpath, **config.env_vars},
-                                 "compilation_cache": config.compilation_cache or os.path.join(os.path.dirname(job.checkpoint.dir), "xla-cache")})
+    config = dataclasses.replace(
+        config,
+        env_vars={"PYTHONPATH": pythonpath, **config.env_vars},
+        compilation_cache=config.compilation_cache or os.path.join(os.path.dirname(job.checkpoint.dir), "xla-cache"),
+    )
     if address:
         cluster = RayCluster(address)
     else:
