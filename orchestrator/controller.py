@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import policies
 from .chaos import ChaosInjector, Fault
-from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError
+from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
 from .jobfile import JobSpec
 from .summary import RunSummary
 from .worker import SegmentSpec
@@ -157,6 +157,10 @@ class JobController:
             statuses = self._group.poll()
         except HostsLostError as e:
             return self._on_hosts_lost(e)
+        except SegmentFailedError as e:
+            # The program itself raised: another mesh would fail the same way.
+            self._stop_group()
+            return self._fail(str(e))
         for host, status in enumerate(statuses):
             for report in status.reports:
                 self._on_report(host, report)

@@ -23,6 +23,10 @@ from .jobfile import CheckpointSpec
 Report = Callable[[dict], None]
 
 
+class RestoredStateMismatchError(ValueError):
+    """A restored state differs from the state that was saved."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentSpec:
     """Everything one process needs to run one segment; plain data, so it crosses Ray and JSON."""
@@ -167,8 +171,13 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
     state = store.restore(step, target=target)
     event = {"kind": "restore", "step": step, "seconds": time.perf_counter() - t}
-    if spec.digest:
-        event.update(digest=state_digest(state), saved_digest=meta.get("digest"))
+    if spec.digest and meta.get("digest"):
+        event.update(digest=state_digest(state), saved_digest=meta["digest"])
+        if event["digest"] != event["saved_digest"]:
+            raise RestoredStateMismatchError(
+                f"the state restored from step {step} in {spec.checkpoint.dir} does not match the digest saved "
+                f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): the checkpoint is corrupt. "
+                "Move that step's directory aside to resume from the one before it")
     report(event)
     return state, int(meta["data_position"])
 

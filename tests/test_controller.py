@@ -4,7 +4,7 @@ import pytest
 
 from orchestrator import Phase, parse_job
 from orchestrator.controller import ControllerConfig, JobController
-from orchestrator.hosts import HostsLostError, HostStatus
+from orchestrator.hosts import HostsLostError, HostStatus, SegmentFailedError
 from partitioner import Cost, Plan
 
 pytestmark = pytest.mark.unit
@@ -17,6 +17,7 @@ class World:
         self.alive = [f"node{i}" for i in range(hosts)]
         self.committed = 0
         self.groups = []
+        self.broken = False
 
     def alive_hosts(self):
         return list(self.alive)
@@ -42,6 +43,8 @@ def fake_group_cls(world, every):
             self.step = world.committed
 
         def poll(self):
+            if world.broken:
+                raise SegmentFailedError("host 0 failed:\nZeroDivisionError: in the user's step")
             dead = [i for i, n in enumerate(self.node_ids) if n not in world.alive]
             if dead:
                 raise HostsLostError(dead, [self.node_ids[i] for i in dead], "ActorDiedError")
@@ -152,3 +155,12 @@ def test_chaos_kills_the_named_host_once_its_step_is_reached():
     assert c.phase is Phase.FINISHED
     lost = [e for e in c.summary.events if e["kind"] == "host_lost"]
     assert len(lost) == 1 and lost[0]["hosts"] == [0]
+
+
+def test_an_error_in_the_program_fails_the_job_with_its_traceback():
+    world = World(4)
+    c = make(world)
+    run_until(c, lambda: c.summary.steps_completed == 3)
+    world.broken = True
+    assert c.step() is Phase.FAILED
+    assert "ZeroDivisionError" in c.summary.reason
