@@ -118,7 +118,9 @@ def test_host_loss_recovers_within_limit_with_parts_recorded(elastic):
     assert_recovered_promptly(elastic, losses=1)
     assert len(kinds(elastic, "host_added")) == 1
     grown_from = elastic["segments"][2]["first_step"] - 1
-    assert grown_from % 10 == 0 and 60 < grown_from < 100  # grew at a checkpoint boundary after add@60
+    # add@60 fires once step 60 is reported; if the new host is seen before the step-60 checkpoint
+    # consensus the job grows at that very boundary, otherwise at a later one.
+    assert grown_from % 10 == 0 and 60 <= grown_from < 100
 
 
 def test_losing_the_coordinator_recovers_like_any_host(coordinator_lost, static):
