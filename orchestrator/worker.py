@@ -184,8 +184,11 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
 
 def _save(store, state, plan, step: int, spec: SegmentSpec, report: Report) -> None:
     if spec.freeze_before_save == step:
+        # Fault injection: the previous checkpoint is complete, this one is begun by the other
+        # hosts and never finished by this one; hang here until the controller kills the host.
+        store.wait()
         report({"kind": "chaos_frozen", "step": step})
-        threading.Event().wait()  # fault injection: hang here until the host is killed
+        threading.Event().wait()
     t = time.perf_counter()
     meta = {"data_position": step, "segment": spec.segment}
     if spec.digest:

@@ -107,9 +107,10 @@ def test_elastic_run_matches_static_run_at_every_step(elastic, static):
     assert_same_losses(elastic, static)
     assert_restores_are_bitwise(elastic)
     first, second = kinds(elastic, "restore")
-    # The kill lands right after step 40 is reported; step 40's asynchronous save may or may not
-    # have committed by then, and either way the restore is from the newest committed step.
-    assert first["step"] in (30, 40)
+    # The kill lands right after step 40 is reported. Saves are asynchronous and a save waits for
+    # the one before it only when it starts, so the newest committed step then is 40, 30 or (on a
+    # very loaded machine) 20; the restore is from whichever it was, and bitwise equal to it.
+    assert first["step"] in (20, 30, 40)
     assert elastic["segments"][1]["first_step"] == first["step"] + 1
     assert second["step"] == elastic["segments"][2]["first_step"] - 1 == elastic["segments"][1]["last_step"]
 
@@ -126,7 +127,7 @@ def test_host_loss_recovers_within_limit_with_parts_recorded(elastic):
 def test_losing_the_coordinator_recovers_like_any_host(coordinator_lost, static):
     assert coordinator_lost["state"] == "finished"
     assert kinds(coordinator_lost, "host_lost")[0]["hosts"] == [0]
-    assert kinds(coordinator_lost, "restore")[0]["step"] in (20, 30)
+    assert kinds(coordinator_lost, "restore")[0]["step"] in (10, 20, 30)  # as in the elastic run
     assert [s["devices"] for s in coordinator_lost["segments"]] == [8, 6]
     assert_same_losses(coordinator_lost, static)
     assert_restores_are_bitwise(coordinator_lost)
