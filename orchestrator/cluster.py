@@ -1,6 +1,8 @@
 """Where hosts come from. `LocalCluster` embeds a real Ray cluster on this machine whose "hosts"
-are Ray nodes (one raylet each) carrying the `remesh_host` resource; `RayCluster` attaches to a
-running cluster. Both answer `alive_hosts()`; only the local one can kill and add hosts (chaos).
+are Ray nodes (one raylet each) carrying the `remesh_host` resource, each emulating a host of N fake
+CPU devices; `RayCluster` attaches to a running cluster of real hosts. Both answer `alive_hosts()`
+and say what environment host processes need (`host_env`); only the local one can kill and add
+hosts (chaos).
 
 Token authentication stays on: the local cluster writes a fresh token (mode 0600) into its state
 directory and points RAY_AUTH_TOKEN_PATH at it before any Ray process starts.
@@ -21,6 +23,7 @@ from .hosts import HOST_RESOURCE
 @dataclasses.dataclass(frozen=True)
 class LocalClusterConfig:
     hosts: int
+    devices_per_host: int
     # Ray's default node health check takes ~30 s to declare a dead node; a host loss must be
     # noticed in about a second.
     health_check_period_ms: int = 300
@@ -70,6 +73,11 @@ class LocalCluster:
     def alive_hosts(self) -> list[str]:
         return alive_hosts()
 
+    def host_env(self) -> dict[str, str]:
+        """Set before jax is imported in each host process: this emulated host's fake devices."""
+        return {"JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.config.devices_per_host}"}
+
     def kill_host(self, node_id: str) -> None:
         """An ungraceful host loss: SIGKILL the node's raylet and every process on it."""
         node = next((n for n in self._cluster.worker_nodes if n.node_id == node_id), None)
@@ -88,7 +96,7 @@ class LocalCluster:
 
 
 class RayCluster:
-    """A running Ray cluster (`ray start`), reached at `address`."""
+    """A running Ray cluster (`ray start`), reached at `address`: real hosts, real devices."""
 
     def __init__(self, address: str = "auto"):
         if not ray.is_initialized():
@@ -97,11 +105,8 @@ class RayCluster:
     def alive_hosts(self) -> list[str]:
         return alive_hosts()
 
-    def kill_host(self, node_id: str) -> None:
-        raise NotImplementedError("chaos host kills need the embedded local cluster (remesh run without --address)")
-
-    def add_host(self):
-        raise NotImplementedError("chaos host adds need the embedded local cluster (remesh run without --address)")
+    def host_env(self) -> dict[str, str]:
+        return {}
 
     def shutdown(self) -> None:
         ray.shutdown()

@@ -103,12 +103,17 @@ class JobController:
     # -- PLANNING ----------------------------------------------------------------------------
     def _planning(self) -> Phase:
         available = len(self.cluster.alive_hosts())
-        decision = self.scaling.initial(available) if self._target is None else policies.Resize(
-            min(self._target, available), "target after resize")
-        if isinstance(decision, policies.Fail) or decision.hosts < self.job.hosts.min:
-            return self._fail(getattr(decision, "reason", f"only {available} hosts available"))
-        self._target = decision.hosts
-        devices = decision.hosts * self.job.hosts.devices_per_host
+        if self._target is None:
+            decision = self.scaling.initial(available)
+            if isinstance(decision, policies.Fail):
+                return self._fail(decision.reason)
+            self._target = decision.hosts
+        # Hosts may have gone since the decision was made; run on what is there now.
+        self._target = min(self._target, available)
+        if self._target < self.job.hosts.min:
+            return self._fail(f"{available} hosts left, the job needs at least {self.job.hosts.min} (hosts.min)")
+        hosts = self._target
+        devices = hosts * self.job.hosts.devices_per_host
         t = self.clock()
         key = (self.fingerprint, devices)
         cached = key in self._plans
@@ -117,7 +122,7 @@ class JobController:
         self._plan = self._plans[key]
         self.summary.event("replan", step=self._done_step(), at=self._now(), seconds=self.clock() - t,
                            devices=devices, mesh=dict(self._plan.mesh), cached=cached, notes=list(self._plan.notes))
-        self.print(f"plan  {self._plan.describe()} on {decision.hosts} hosts" + (" (cached)" if cached else "")
+        self.print(f"plan  {self._plan.describe()} on {hosts} hosts" + (" (cached)" if cached else "")
                    + "".join(f"\n      note: {n}" for n in self._plan.notes))
         return Phase.STARTING
 
@@ -126,14 +131,16 @@ class JobController:
         hosts = self._target
         t = self.clock()
         try:
-            self._group = self.group_cls(hosts, HostGroupConfig(self.job.hosts.devices_per_host, env_vars=self.config.env_vars))
+            env = {**self.cluster.host_env(), **self.config.env_vars}
+            self._group = self.group_cls(hosts, HostGroupConfig(env_vars=env))
         except HostsUnavailableError as e:
             self.print(f"warn  {e}; re-planning")
             self._target = None
             return Phase.PLANNING
         spawn = self.clock() - t
         freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
-        self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, freeze.get(i)))
+        plan_json = self._plan.to_json()
+        self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i)))
         self._segment = {"mesh": dict(self._plan.mesh), "hosts": hosts, "devices": self._plan.devices_used,
                          "first_step": None, "last_step": None, "spawn_seconds": round(spawn, 3),
                          "started_at": round(t - self._t0, 3), "first_step_at": None}
@@ -142,11 +149,11 @@ class JobController:
         self._last_host_check = self.clock()
         return Phase.RUNNING
 
-    def _spec(self, process_id: int, coordinator: str, hosts: int, freeze: int | None) -> SegmentSpec:
+    def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None) -> SegmentSpec:
         job = self.job
         return SegmentSpec(
             program=job.program, steps=job.steps, global_batch=job.global_batch, seed=job.seed,
-            checkpoint=job.checkpoint, plan_json=self._plan.to_json(), coordinator=coordinator,
+            checkpoint=job.checkpoint, plan_json=plan_json, coordinator=coordinator,
             num_processes=hosts, process_id=process_id, segment=len(self.summary.segments),
             digest=self.config.digest, freeze_before_save=freeze, compilation_cache=self.config.compilation_cache,
         )
@@ -176,24 +183,26 @@ class JobController:
 
     def _on_report(self, host: int, r: dict) -> None:
         kind, now = r["kind"], self._now()
+        if kind == "chaos_frozen":  # whichever host froze is the one to kill
+            fault = next(f for f in self.chaos.save_faults() if f.step == r["step"])
+            self.chaos.fired(fault)
+            self._kill(host, f"lose-in-save@{r['step']}")
+            return
+        if host != 0:
+            return  # SPMD: every host reports the same steps; process 0 speaks for the group
         if kind == "step":
             self.summary.losses[r["step"]] = r["loss"]
             seg = self._segment
             if seg["first_step"] is None:
                 seg["first_step"], seg["first_step_at"] = r["step"], round(now, 3)
             seg["last_step"] = r["step"]
-            if host == 0 and self._recovering_since is not None:
+            if self._recovering_since is not None:
                 recovery = self.clock() - self._recovering_since
                 self.summary.recovery_seconds.append(round(recovery, 3))
                 self._recovering_since = None
                 self.print(f"      recovered in {recovery:.1f} s")
-            if host == 0:
-                self._progress(r)
-        elif kind == "chaos_frozen":
-            fault = next(f for f in self.chaos.save_faults() if f.step == r["step"])
-            self.chaos.fired(fault)
-            self._kill(host, f"lose-in-save@{r['step']}")
-        elif host == 0 and kind in ("group_start", "compile", "restore", "checkpoint"):
+            self._progress(r)
+        elif kind in ("group_start", "compile", "restore", "checkpoint"):
             extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds")}
             self.summary.event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
             if kind == "restore":

@@ -94,9 +94,7 @@ class HostActor:
 
 @dataclasses.dataclass(frozen=True)
 class HostGroupConfig:
-    devices_per_host: int
-    env_vars: dict = dataclasses.field(default_factory=dict)
-    fake_devices: bool = True  # emulated hosts: N fake CPU devices per process
+    env_vars: dict = dataclasses.field(default_factory=dict)  # the host actors' environment
     schedule_timeout_s: float = 60.0
     # A poll unanswered this long counts as a lost host. Dead actors are reported by Ray within a
     # second; this only catches a host that hangs, so it can be generous.
@@ -111,20 +109,16 @@ class HostGroup:
         if not self._ready(self._pg.ready(), config.schedule_timeout_s):
             remove_placement_group(self._pg)
             raise HostsUnavailableError(f"could not place {hosts} hosts within {config.schedule_timeout_s:.0f} s")
-        env = dict(config.env_vars)
-        if config.fake_devices:
-            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={config.devices_per_host}")
         actor_cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(HostActor)
         self.actors = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": env},
+                runtime_env={"env_vars": dict(config.env_vars)},
             ).remote()
             for i in range(hosts)
         ]
         self.places = ray.get([a.where.remote() for a in self.actors], timeout=config.schedule_timeout_s)
         self.node_ids = [p["node_id"] for p in self.places]
-        self.done = [False] * hosts
 
     @staticmethod
     def _ready(ref, timeout: float) -> bool:
@@ -157,7 +151,6 @@ class HostGroup:
         for i, s in enumerate(statuses):
             if s.error:
                 raise SegmentFailedError(f"host {i} failed:\n{s.error}")
-            self.done[i] = s.done
         return statuses
 
     def request_stop(self) -> None:

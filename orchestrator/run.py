@@ -5,7 +5,7 @@ import dataclasses
 import os
 import sys
 
-from .chaos import parse_chaos
+from .chaos import ChaosSpecError, parse_chaos
 from .controller import ControllerConfig, JobController, program_fingerprint
 from .jobfile import JobSpec
 from .program import check_program, load_program
@@ -20,6 +20,8 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
     from .cluster import LocalClusterConfig, RayCluster
 
     faults = parse_chaos(chaos)
+    if faults and address:
+        raise ChaosSpecError("--chaos kills and adds emulated hosts, so it needs the embedded cluster: drop --address")
     sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job runs in
     program = load_program(job.program)
     state, batch = check_program(program, job.global_batch, job.seed)
@@ -40,7 +42,7 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
     else:
         n = hosts or job.hosts.max
         (printer or print)(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
-        cluster = LocalClusterConfig(hosts=n).create()
+        cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
     try:
         controller = JobController(job, cluster, planner=planner, fingerprint=fingerprint, config=config,
                                    chaos=faults, printer=printer)

@@ -23,11 +23,12 @@ every = 5
     ("examples.gpt.model:progrm", "10", None, "has no attribute 'progrm'"),
     ("examples.gpt.model:program", '"10"', None, "key steps must be int, got str '10'"),
     ("examples.gpt.model:program", "10", "boom@3", "bad fault 'boom@3'"),
+    ("examples.gpt.model:program", "10", "lose@3 --address 127.0.0.1:1", "needs the embedded cluster"),
 ])
 def test_bad_input_fails_before_any_cluster_starts_with_a_clear_error(tmp_path, capsys, program, steps, chaos, message):
     job = tmp_path / "job.toml"
     job.write_text(JOB.format(program=program, steps=steps))
-    argv = ["run", str(job)] + (["--chaos", chaos] if chaos else [])
+    argv = ["run", str(job)] + (["--chaos", *chaos.split()] if chaos else [])
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("remesh run: error: ") and message in err

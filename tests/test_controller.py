@@ -22,6 +22,9 @@ class World:
     def alive_hosts(self):
         return list(self.alive)
 
+    def host_env(self):
+        return {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
     def kill_host(self, node):
         self.alive.remove(node)
 
@@ -36,6 +39,7 @@ def fake_group_cls(world, every):
             self.node_ids = world.alive[:hosts]
             self.stop = False
             self.step = None
+            self.env = config.env_vars
             world.groups.append(self)
 
         def start(self, spec_for):
@@ -100,6 +104,7 @@ def test_start_transitions_one_at_a_time():
     assert c.step() is Phase.STARTING
     assert c.summary.events[-1]["kind"] == "replan" and c.summary.events[-1]["devices"] == 8
     assert c.step() is Phase.RUNNING
+    assert world.groups[0].env["XLA_FLAGS"].endswith("=2")  # the cluster says what a host process needs
     assert c.step() is Phase.RUNNING and c.summary.losses == {1: 1.0}
 
 
