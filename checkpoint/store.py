@@ -82,7 +82,9 @@ class Store:
         return steps[-1] if steps else None
 
     def metadata(self, step: int | None = None) -> dict:
-        step = self._resolve(step)
+        return self._read_metadata(self._resolve(step))
+
+    def _read_metadata(self, step: int) -> dict:
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"])
 
@@ -91,7 +93,7 @@ class Store:
 
         A leaf without a sharding is restored whole onto this process's first device."""
         step = self._resolve(step)
-        self._check_target(step, target)
+        self._check_target(step, self._read_metadata(step), target)
         local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(
             lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local),
@@ -112,8 +114,8 @@ class Store:
             raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.path}; committed steps: {steps}")
         return step
 
-    def _check_target(self, step: int, target: Any) -> None:
-        saved = {l["path"]: l for l in self.metadata(step)["leaves"]}
+    def _check_target(self, step: int, meta: dict, target: Any) -> None:
+        saved = {l["path"]: l for l in meta["leaves"]}
         wanted = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
         missing = sorted(set(wanted) - set(saved))
         if missing:

@@ -49,26 +49,32 @@ def load_program(ref: str) -> Program:
     return program
 
 
+def abstract_inputs(program: Program, global_batch: int, seed: int = 0):
+    """(abstract state, abstract batch): shapes and dtypes of the step's arguments, no arrays."""
+    import jax
+
+    try:
+        state = jax.eval_shape(program.init, jax.random.key(seed))
+    except Exception as e:
+        raise ProgramError(f"program.init(key) failed: {type(e).__name__}: {e}") from e
+    batch = program.batch(0, global_batch)
+    return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+
+
 def check_program(program: Program, global_batch: int, seed: int = 0):
     """Abstractly evaluate init, batch and step once; returns (abstract state, abstract batch).
 
     Catches a broken program at submission instead of on every host after start-up."""
     import jax
 
-    key = jax.random.key(seed)
-    try:
-        state = jax.eval_shape(program.init, key)
-    except Exception as e:
-        raise ProgramError(f"program.init(key) failed: {type(e).__name__}: {e}") from e
-    batch = program.batch(0, global_batch)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = np.shape(leaf)
+    state, abstract_batch = abstract_inputs(program, global_batch, seed)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_batch)[0]:
+        shape = leaf.shape
         if not shape or shape[0] != global_batch:
             raise ProgramError(
                 f"program.batch(step, {global_batch}) leaf {jax.tree_util.keystr(path)} has shape {shape}; "
                 f"expected leading dimension {global_batch} (the job's global_batch)"
             )
-    abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
     try:
         out = jax.eval_shape(program.step, state, abstract_batch)
     except Exception as e:

@@ -112,7 +112,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     from checkpoint import Store, StoreConfig
     from partitioner import Plan
 
-    from .program import load_program
+    from .program import abstract_inputs, load_program
 
     t0 = time.perf_counter()
     start_group(spec)
@@ -122,9 +122,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     plan = Plan.from_json(spec.plan_json)
     mesh = plan.bind(jax.devices())
     key = jax.random.key(spec.seed)
-    abstract_state = jax.eval_shape(program.init, key)
-    abstract_batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), program.batch(0, spec.global_batch))
+    abstract_state, abstract_batch = abstract_inputs(program, spec.global_batch, spec.seed)
     state_sh = plan.shardings(mesh, abstract_state, argnum=0)
     batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -227,7 +225,6 @@ def state_digest(state: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one segment without Ray: `python -m orchestrator.worker SPEC.json` (prints reports)."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("spec", help="SegmentSpec as JSON (a file path)")
@@ -235,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.spec) as f:
         spec = SegmentSpec.from_json(f.read())
     run_segment(spec, lambda r: print(json.dumps(r), flush=True))
-    sys.stdout.flush()
     return 0
 
 

@@ -103,7 +103,7 @@ class Plan:
         """`fn` jitted with this plan's shardings on `devices`."""
         mesh = self.bind(devices)
         ins = tuple(self.shardings(mesh, a, argnum=i) for i, a in enumerate(args))
-        outs = jax.tree.map(lambda s: NamedSharding(mesh, s), self.out_specs, is_leaf=_is_spec)
+        outs = self.shardings(mesh, jax.eval_shape(fn, *args))  # by key path, so JSON plans work too
         return jax.jit(fn, in_shardings=ins, out_shardings=outs, **jit_kwargs)
 
     # -- serialisation ---------------------------------------------------------------------

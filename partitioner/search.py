@@ -113,12 +113,15 @@ def _batch_argnums(abstract, out) -> tuple[int, ...]:
     """Arguments that are not carried state. A training step returns its new state first, so an
     argument with the same tree and shapes as the first output is state; the rest are batch."""
     carried = out[0] if isinstance(out, tuple) and out else out
-    sig = jax.tree.structure(carried), [(l.shape, l.dtype) for l in jax.tree.leaves(carried)]
-    state = {i for i, a in enumerate(abstract) if (jax.tree.structure(a), [(l.shape, l.dtype) for l in jax.tree.leaves(a)]) == sig}
+    state = {i for i, a in enumerate(abstract) if _signature(a) == _signature(carried)}
     batch = tuple(i for i in range(len(abstract)) if i not in state)
     if not batch:
         raise PlanInputError("could not tell the batch argument from the state: pass batch_argnums=")
     return batch
+
+
+def _signature(tree):
+    return jax.tree.structure(tree), [(l.shape, l.dtype) for l in jax.tree.leaves(tree)]
 
 
 def _batch_size(abstract, batch_argnums) -> int:
