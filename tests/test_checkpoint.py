@@ -31,20 +31,20 @@ def spec_for(kind, x):
     return P("x") if kind == "fsdp" else P(None, "x") if np.ndim(x) > 1 and x.shape[1] % 2 == 0 else P()
 
 
-def place(state, devices, kind):
-    mesh = Mesh(np.array(devices), ("x",))
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec_for(kind, x) if _divides(x, len(devices), kind) else P())), state)
-
-
-def _divides(x, n, kind):
-    spec = spec_for(kind, x)
-    return all(d is None or np.shape(x)[i] % n == 0 for i, d in enumerate(spec))
-
-
 def target(state, devices, kind):
+    """Abstract leaves with a `kind` sharding over `devices` (replicated where it would not divide)."""
     mesh = Mesh(np.array(devices), ("x",))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(
-        mesh, spec_for(kind, x) if _divides(x, len(devices), kind) else P())), state)
+
+    def sharding(x):
+        spec = spec_for(kind, x)
+        divides = all(d is None or np.shape(x)[i] % len(devices) == 0 for i, d in enumerate(spec))
+        return NamedSharding(mesh, spec if divides else P())
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding(x)), state)
+
+
+def place(state, devices, kind):
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target(state, devices, kind))
 
 
 @pytest.mark.parametrize("save", [(8, "fsdp"), (4, "dp"), (2, "tp")])

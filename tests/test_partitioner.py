@@ -57,21 +57,28 @@ def test_plan_round_trips_through_json_and_rejects_other_trees(gpt):
 
 
 def test_bound_plan_computes_what_one_device_computes(gpt, devices8):
+    from examples.gpt.model import GPTConfig, loss_fn
+
     program, state, batch = gpt
-    plan = partitioner.plan(program.step, state, batch, devices=7, hardware="cpu")  # binds 6 of the 8
+    plan = partitioner.Plan.from_json(  # as the hosts receive it
+        partitioner.plan(program.step, state, batch, devices=7, hardware="cpu").to_json())
     real_state = program.init(jax.random.key(0))
     real_batch = program.batch(3, 24)
-    step = plan.jit(program.step, (real_state, real_batch), devices8[:7])
+
+    step = plan.jit(program.step, (real_state, real_batch), devices8[:7])  # binds 6 of the 7
     sharded_state, metrics = step(real_state, real_batch)
-    ref_state, ref_metrics = jax.jit(program.step)(real_state, real_batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6)
-    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
-    # The gradient is summed in another order across 6 devices. Adam's first update is
-    # lr * g / (|g| + eps), so an element whose gradient is near eps can move by up to lr (3e-3)
-    # on a 1e-7 reordering: every parameter is within one learning-rate step, and all but a
-    # handful agree to 1e-6.
-    for a, b in zip(jax.tree.leaves(sharded_state), jax.tree.leaves(ref_state)):
-        a, b = np.asarray(a), np.asarray(b)
-        np.testing.assert_allclose(a, b, rtol=0, atol=3e-3)
-        assert np.mean(np.abs(a - b) <= 1e-6) >= 0.999
+    _, ref_metrics = jax.jit(program.step)(real_state, real_batch)
     assert len(sharded_state["params"]["wte"].sharding.device_set) == 6
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-6)
+
+    # What sharding changes is the order in which the batch's gradient is summed: each gradient
+    # leaf agrees to float32 rounding of its own magnitude.
+    mesh = plan.bind(devices8[:7])
+    grad = jax.grad(lambda p, b: loss_fn(p, b, GPTConfig()))
+    sharded = jax.jit(grad, in_shardings=(plan.shardings(mesh, state, argnum=0)["params"],
+                                          plan.shardings(mesh, batch, argnum=1)))(real_state["params"], real_batch)
+    reference = jax.jit(grad)(real_state["params"], real_batch)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(reference)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
