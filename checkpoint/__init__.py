@@ -1,9 +1,18 @@
 """remesh.checkpoint: a universal checkpoint store that restores onto any mesh and plan.
 
     store = checkpoint.Store(path)
-    store.save(step, state, plan=plan, meta={"data_position": step})
-    state = store.restore(target=abstract_state_with_new_shardings)
-"""
-from .store import CheckpointNotFoundError, CheckpointTargetError, Store, StoreConfig
+    store.save(step, state, plan=plan, meta={"data_position": step})   # blocks for the host copy only
+    state = store.restore(target=abstract_state_with_new_shardings)     # reads only what it needs
+    report = store.verify(step)                                          # every chunk's checksum
 
-__all__ = ["CheckpointNotFoundError", "CheckpointTargetError", "Store", "StoreConfig"]
+Steps written by plain Orbax restore through the same `restore`.
+"""
+from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, CheckpointTargetError
+from .layout import Codec, leaf_path
+from .reader import Cast, Rename, RestoreStats, Stack, Unstack
+from .store import Store, StoreConfig, VerifyReport
+
+__all__ = [
+    "Cast", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointNotFoundError", "CheckpointTargetError",
+    "Codec", "Rename", "RestoreStats", "Stack", "Store", "StoreConfig", "Unstack", "VerifyReport", "leaf_path",
+]

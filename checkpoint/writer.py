@@ -1,0 +1,205 @@
+"""Saving: a snapshot of device buffers (the only part that blocks training), then a background
+write and an atomic commit.
+
+Every process writes the shards it holds replica 0 of, so a replicated shard is written once.
+Process 0 writes every array's metadata, waits until every process has written its shards (through
+the `jax.distributed` key-value store, which needs no device collective and so can be used from a
+background thread), writes the manifest last and renames the step's `.partial` directory into place.
+A crash at any point before that rename leaves only a `.partial` directory, which readers ignore.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from . import layout
+
+
+@dataclasses.dataclass
+class LeafSnapshot:
+    path: str
+    layout: layout.Layout
+    sharding: dict | None
+    pieces: list[tuple[layout.Box, np.ndarray]]  # (global index box, host copy) this process writes
+    prng_impl: str | None = None
+
+
+def snapshot(state: Any, chunk_bytes: int) -> list[LeafSnapshot]:
+    """Copy this process's replica-0 shards to host memory. Copies are started for every leaf
+    before any is awaited, so on accelerators they overlap."""
+    started = []
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        path, impl = layout.leaf_path(keypath), None
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array):
+            shard_shape = leaf.sharding.shard_shape(leaf.shape)
+            pieces = [(s.index, s.data) for s in leaf.addressable_shards if s.replica_id == 0]
+            for _, data in pieces:
+                data.copy_to_host_async()
+            sharding = _describe(leaf.sharding)
+        else:
+            leaf = np.asarray(leaf)
+            shard_shape, sharding = leaf.shape, None
+            pieces = [(tuple(slice(0, d) for d in leaf.shape), leaf)] if jax.process_index() == 0 else []
+        lay = layout.choose_layout(tuple(leaf.shape), leaf.dtype, tuple(shard_shape), chunk_bytes)
+        started.append(LeafSnapshot(path, lay, sharding, pieces, impl))
+    for snap in started:
+        snap.pieces = [(_full(box, snap.layout.shape), np.array(data, copy=True)) for box, data in snap.pieces]
+    return started
+
+
+def _full(box, shape) -> layout.Box:
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(box, shape))
+
+
+def _describe(sharding) -> dict:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        return {"mesh": dict(sharding.mesh.shape), "spec": spec}
+    return {"kind": type(sharding).__name__, "devices": len(sharding.device_set)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    root: str
+    step: int
+    leaves: list[LeafSnapshot]
+    plan: dict | None
+    meta: dict
+    codec: layout.Codec
+    sequence: int  # the same on every process: the n-th save of this store
+    nonce: str  # the same on every process of one group; new for every group
+
+
+class Writer:
+    """Runs one save at a time in a background thread; `wait` re-raises its failure."""
+
+    def __init__(self, root: str, *, on_commit: Callable[[int], None], commit_timeout_s: float):
+        self.root = root
+        self._on_commit = on_commit
+        self._timeout_ms = int(commit_timeout_s * 1000)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True})
+        self.last_seconds: float | None = None
+
+    def start(self, job: Job, background: bool) -> None:
+        self.wait()
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(job,), name=f"remesh-save-{job.step}", daemon=True)
+            self._thread.start()
+        else:
+            self._run(job)
+            self.wait()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self, job: Job) -> None:
+        t = time.perf_counter()
+        try:
+            partial = os.path.join(job.root, f"{job.step}{layout.PARTIAL}-{job.nonce}-{job.sequence}")
+            failure = None
+            try:
+                self._write_arrays(job, partial)
+            except BaseException as e:  # tell process 0, so it does not commit a step missing our shards
+                failure = e
+            _signal(job, "error: " + repr(failure) if failure else "ok")
+            if failure:
+                raise failure
+            if jax.process_index() == 0:
+                _await_peers(job, self._timeout_ms)
+                _commit(job, partial)
+                self._on_commit(job.step)
+            self.last_seconds = time.perf_counter() - t
+        except BaseException as e:
+            self._error = e
+
+    def _write_arrays(self, job: Job, partial: str) -> None:
+        os.makedirs(os.path.join(partial, layout.ARRAYS), exist_ok=True)
+        pending = []
+        for n, leaf in enumerate(job.leaves):
+            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(partial, layout.ARRAYS, _array_name(n))},
+                    "metadata": leaf.layout.zarr_metadata(job.codec)}
+            if jax.process_index() == 0:  # the .partial directory is new: stale ones are removed at open
+                spec.update(create=True, open=True)
+            else:
+                spec.update(assume_metadata=True)
+            if not leaf.pieces and jax.process_index() != 0:
+                continue
+            arr = ts.open(spec, context=self._ctx, write=True).result()
+            pending += [arr[box].write(data) for box, data in leaf.pieces]
+        for future in pending:
+            future.result()
+
+
+def _array_name(n: int) -> str:
+    return f"{n:05d}"
+
+
+def _kv_key(job: Job, process: int) -> str:
+    root = hashlib.sha1(job.root.encode()).hexdigest()[:12]
+    return f"remesh/ckpt/{root}/{job.nonce}/{job.sequence}/{process}"
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _signal(job: Job, status: str) -> None:
+    if jax.process_count() > 1:
+        _client().key_value_set(_kv_key(job, jax.process_index()), status)
+
+
+def _await_peers(job: Job, timeout_ms: int) -> None:
+    for p in range(1, jax.process_count()):
+        status = _client().blocking_key_value_get(_kv_key(job, p), timeout_ms)
+        if status != "ok":
+            raise RuntimeError(f"process {p} failed to write its shards of step {job.step}: {status}; the step was not committed")
+
+
+def _commit(job: Job, partial: str) -> None:
+    files = {rel: {"size": size} for rel, size in layout.list_files(partial).items()}
+    for rel, entry in files.items():
+        if rel.endswith("zarr.json"):
+            entry["sha256"] = layout.sha256_file(os.path.join(partial, rel))
+    doc = {
+        "format": layout.FORMAT, "step": job.step, "created_at": time.time(), "processes": jax.process_count(),
+        "codec": job.codec.value, "plan": job.plan, "meta": job.meta, "files": files,
+        "leaves": [{"path": l.path, "array": _array_name(n), "shape": list(l.layout.shape), "dtype": l.layout.dtype,
+                    "shard_shape": list(l.layout.shard_shape), "chunk_shape": list(l.layout.chunk_shape),
+                    "sharding": l.sharding, **({"prng_impl": l.prng_impl} if l.prng_impl else {})}
+                   for n, l in enumerate(job.leaves)],
+    }
+    doc["checksum"] = layout.manifest_checksum(doc)
+    for root, _, _ in os.walk(partial, topdown=False):
+        layout.fsync_dir(root)  # file data is synced by TensorStore; make the names durable too
+    layout.write_json_durably(os.path.join(partial, layout.MANIFEST), doc)
+    layout.fsync_dir(partial)
+    final = os.path.join(job.root, str(job.step))
+    if os.path.exists(final):  # the same step saved again: replace it, never leave neither
+        old = final + layout.DELETING
+        os.rename(final, old)
+        os.rename(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(partial, final)
+    layout.fsync_dir(job.root)
