@@ -52,7 +52,8 @@ def snapshot(state: Any, chunk_bytes: int) -> list[LeafSnapshot]:
             leaf = np.asarray(leaf)
             shard_shape, sharding = leaf.shape, None
             pieces = [(tuple(slice(0, d) for d in leaf.shape), leaf)] if jax.process_index() == 0 else []
-        lay = layout.choose_layout(tuple(leaf.shape), leaf.dtype, tuple(shard_shape), chunk_bytes)
+        sharded = tuple(i for i, (d, s) in enumerate(zip(leaf.shape, shard_shape)) if s < d)
+        lay = layout.choose_layout(tuple(leaf.shape), leaf.dtype, tuple(shard_shape), chunk_bytes, sharded)
         started.append(LeafSnapshot(path, lay, sharding, pieces, impl))
     for snap in started:
         snap.pieces = [(_full(box, snap.layout.shape), np.array(data, copy=True)) for box, data in snap.pieces]
