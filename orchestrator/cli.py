@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--level", default="fast", choices=("fast", "thorough"))
     plan.add_argument("--json", action="store_true")
 
-    ckpt = sub.add_parser("ckpt", help="inspect checkpoints")
-    ckpt.add_argument("action", choices=("ls", "inspect"))
+    ckpt = sub.add_parser("ckpt", help="list, inspect and verify checkpoints (remesh or plain Orbax)")
+    ckpt.add_argument("action", choices=("ls", "inspect", "verify"))
     ckpt.add_argument("path")
-    ckpt.add_argument("--step", type=int)
+    ckpt.add_argument("--step", type=int, help="one step (default: the newest; verify: all)")
+    ckpt.add_argument("--devices", type=int, help="inspect: what a restore onto this many devices would read")
+    ckpt.add_argument("--devices-per-host", type=int, help="inspect: devices per host (default: all on one host)")
+    ckpt.add_argument("--hardware", default="cpu", help="inspect: hardware profile to plan the restore for")
+    ckpt.add_argument("--json", action="store_true")
 
     args = parser.parse_args(argv)
     try:
@@ -96,17 +100,9 @@ def _plan(args) -> int:
 
 
 def _ckpt(args) -> int:
-    from checkpoint import Store
+    from . import ckpt_cmd
 
-    store = Store(args.path)
-    if args.action == "ls":
-        for step in store.steps():
-            meta = store.metadata(step)
-            mesh = (meta.get("plan") or {}).get("mesh")
-            print(f"{step:>8}  leaves {len(meta['leaves'])}  mesh {dict(mesh) if mesh else '-'}")
-        return 0
-    print(json.dumps(store.metadata(args.step), indent=2))
-    return 0
+    return ckpt_cmd.run(args)
 
 
 if __name__ == "__main__":

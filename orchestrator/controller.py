@@ -156,6 +156,7 @@ class JobController:
             checkpoint=job.checkpoint, plan_json=plan_json, coordinator=coordinator,
             num_processes=hosts, process_id=process_id, segment=len(self.summary.segments),
             digest=self.config.digest, freeze_before_save=freeze, compilation_cache=self.config.compilation_cache,
+            fingerprint=self.fingerprint,
         )
 
     # -- RUNNING -----------------------------------------------------------------------------
@@ -202,6 +203,9 @@ class JobController:
                 self._recovering_since = None
                 self.print(f"      recovered in {recovery:.1f} s")
             self._progress(r)
+        elif kind == "checkpoint_corrupt":
+            self.summary.event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
+            self.print(f"      checkpoint step {r['step']} is damaged, moved aside; trying the one before: {r['error'][:200]}")
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
             extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds")}
             self.summary.event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)

@@ -5,7 +5,8 @@ import dataclasses
 import json
 from typing import Any
 
-EVENT_KINDS = ("host_lost", "host_added", "replan", "restore", "checkpoint", "compile", "group_start")
+EVENT_KINDS = ("host_lost", "host_added", "replan", "restore", "checkpoint", "compile", "group_start",
+               "checkpoint_corrupt")
 
 
 @dataclasses.dataclass

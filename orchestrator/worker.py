@@ -44,6 +44,7 @@ class SegmentSpec:
     digest: bool = True  # record a digest of the state at every save and restore (bitwise checks)
     freeze_before_save: int | None = None  # fault injection: hang instead of saving this step
     compilation_cache: str | None = None
+    fingerprint: str = ""  # of the program and its abstract inputs; saved with every checkpoint
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -159,25 +160,60 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
 
 
 def _restore_or_init(store, program, key, abstract_state, state_sh, spec: SegmentSpec, report: Report):
+    """Restore the newest committed step that every process reads intact, or initialise.
+
+    A step that fails its checksums (or its digest) on any process is moved aside on all of them
+    and the next older one is tried; the processes agree step by step, so they all resume from
+    the same one."""
     import jax
 
-    step = store.latest()
-    if step is None:
-        return jax.jit(program.init, out_shardings=state_sh)(key), 0
-    t = time.perf_counter()
-    meta = store.metadata(step)["meta"]
+    from checkpoint import CheckpointCorruptError, CheckpointFormatError
+
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
-    state = store.restore(step, target=target)
-    event = {"kind": "restore", "step": step, "seconds": time.perf_counter() - t}
-    if spec.digest and meta.get("digest"):
-        event.update(digest=state_digest(state), saved_digest=meta["digest"])
-        if event["digest"] != event["saved_digest"]:
-            raise RestoredStateMismatchError(
-                f"the state restored from step {step} in {spec.checkpoint.dir} does not match the digest saved "
-                f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): the checkpoint is corrupt. "
-                "Move that step's directory aside to resume from the one before it")
-    report(event)
-    return state, int(meta["data_position"])
+    committed = store.steps()
+    for step in reversed(committed):
+        t = time.perf_counter()
+        try:
+            state, meta = store.restore(step, target=target), store.metadata(step)["meta"]
+            event = _check_digest(state, meta, step, spec)
+            error = None
+        except (CheckpointCorruptError, CheckpointFormatError, RestoredStateMismatchError) as e:
+            error = e
+        if not _all_agree(error is None):
+            report({"kind": "checkpoint_corrupt", "step": step, "error": str(error) if error else "corrupt on another host"})
+            if jax.process_index() == 0:
+                store.quarantine(step)
+            continue
+        stats = store.last_restore
+        report({"kind": "restore", "step": step, "seconds": time.perf_counter() - t, "bytes_read": stats.bytes_read,
+                "bytes_needed": stats.bytes_needed, **event})
+        return state, int(meta.get("data_position", step))
+    if committed:
+        raise CheckpointCorruptError(
+            f"no checkpoint in {spec.checkpoint.dir} restores intact: steps {committed} were all damaged and moved "
+            "aside as <step>.corrupt; move one back to inspect it, or start the job in a new checkpoint directory")
+    return jax.jit(program.init, out_shardings=state_sh)(key), 0
+
+
+def _check_digest(state, meta: dict, step: int, spec: SegmentSpec) -> dict:
+    if not (spec.digest and meta.get("digest")):
+        return {}
+    event = {"digest": state_digest(state), "saved_digest": meta["digest"]}
+    if event["digest"] != event["saved_digest"]:
+        raise RestoredStateMismatchError(
+            f"the state restored from step {step} in {spec.checkpoint.dir} does not match the digest saved "
+            f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): the checkpoint is corrupt")
+    return event
+
+
+def _all_agree(ok: bool) -> bool:
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _save(store, state, plan, step: int, spec: SegmentSpec, report: Report) -> None:
@@ -188,7 +224,8 @@ def _save(store, state, plan, step: int, spec: SegmentSpec, report: Report) -> N
         report({"kind": "chaos_frozen", "step": step})
         threading.Event().wait()
     t = time.perf_counter()
-    meta = {"data_position": step, "segment": spec.segment}
+    meta = {"data_position": step, "segment": spec.segment, "program": spec.program, "seed": spec.seed,
+            "program_fingerprint": spec.fingerprint, "global_batch": spec.global_batch}
     if spec.digest:
         meta["digest"] = state_digest(state)
     store.save(step, state, plan=plan, meta=meta)

@@ -1,12 +1,16 @@
 """The per-host worker as a plain function, without Ray: one process, fake devices."""
 import json
+import os
 
 import pytest
+
+from checkpoint import CheckpointCorruptError, Store
+from checkpoint.layout import manifest_checksum
 
 import partitioner
 from orchestrator import check_program
 from orchestrator.jobfile import CheckpointSpec
-from orchestrator.worker import RestoredStateMismatchError, SegmentSpec, run_segment
+from orchestrator.worker import SegmentSpec, run_segment
 
 pytestmark = pytest.mark.fake_devices
 
@@ -32,11 +36,40 @@ def test_resumes_on_another_mesh_at_the_saved_data_position(tmp_path, devices8):
     assert [r["step"] for r in second if r["kind"] == "step"] == [11, 12]
 
 
-def test_a_restore_that_does_not_match_what_was_saved_is_refused(tmp_path, devices8):
-    run_segment(spec(tmp_path, 8, 5), lambda r: None)
-    meta_file = str(tmp_path / "ckpt" / "5" / "meta" / "metadata")
-    doc = json.load(open(meta_file))
+def damage_a_chunk(step_dir):
+    doc = json.load(open(os.path.join(step_dir, "remesh.json")))
+    victim = os.path.join(step_dir, max((f for f in doc["files"] if "/c/" in f), key=lambda f: doc["files"][f]["size"]))
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 3] ^= 0x10
+    open(victim, "wb").write(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_that_verifies(tmp_path, devices8):
+    run_segment(spec(tmp_path, 8, 10), lambda r: None)
+    damage_a_chunk(tmp_path / "ckpt" / "10")
+    reports = []
+    run_segment(spec(tmp_path, 4, 12), reports.append)
+    corrupt = [r for r in reports if r["kind"] == "checkpoint_corrupt"]
+    assert [r["step"] for r in corrupt] == [10] and "failed its checksum" in corrupt[0]["error"]
+    restore = next(r for r in reports if r["kind"] == "restore")
+    assert restore["step"] == 5 and restore["digest"] == restore["saved_digest"]
+    assert [r["step"] for r in reports if r["kind"] == "step"] == list(range(6, 13))
+    assert os.path.isdir(tmp_path / "ckpt" / "10.corrupt")  # moved aside, not deleted
+
+
+def test_a_restore_that_does_not_match_its_digest_falls_back_and_none_intact_is_an_error(tmp_path, devices8):
+    run_segment(spec(tmp_path, 8, 10), lambda r: None)
+    path = tmp_path / "ckpt" / "10" / "remesh.json"
+    doc = json.load(open(path))
     doc["meta"]["digest"] = "0" * 64
-    json.dump(doc, open(meta_file, "w"))
-    with pytest.raises(RestoredStateMismatchError, match="from step 5 .* does not match the digest saved"):
-        run_segment(spec(tmp_path, 8, 10), lambda r: None)
+    doc["checksum"] = manifest_checksum(doc)  # a consistent manifest whose state digest is wrong
+    json.dump(doc, open(path, "w"))
+    reports = []
+    run_segment(spec(tmp_path, 8, 10), reports.append)
+    corrupt = next(r for r in reports if r["kind"] == "checkpoint_corrupt")
+    assert corrupt["step"] == 10 and "does not match the digest saved" in corrupt["error"]
+    assert next(r for r in reports if r["kind"] == "restore")["step"] == 5
+    for step in Store(tmp_path / "ckpt").steps():
+        damage_a_chunk(tmp_path / "ckpt" / str(step))
+    with pytest.raises(CheckpointCorruptError, match="no checkpoint in .* restores intact"):
+        run_segment(spec(tmp_path, 8, 12), lambda r: None)
