@@ -84,7 +84,7 @@ def choose_layout(shape: tuple[int, ...], dtype: np.dtype, shard_shape: tuple[in
                   sharded_dims: tuple[int, ...] = ()) -> Layout:
     """Split the saved shard into inner chunks. First align: cut each dimension (the ones the save
     sharded first) so chunk edges fall on every boundary of a 2-, 3-, 4-, 6- or 8-way sharding of
-    that dimension, as long as chunks stay above chunk_bytes / 64 (a resharded restore then reads
+    that dimension, as long as chunks stay above chunk_bytes / 16 (small chunks cost throughput) (a resharded restore then reads
     only what it needs). Then cut the largest dimension until a chunk is at most chunk_bytes."""
     shard_shape = tuple(max(int(d), 1) for d in shard_shape) if shape else ()
     chunk = list(shard_shape)
@@ -93,7 +93,7 @@ def choose_layout(shape: tuple[int, ...], dtype: np.dtype, shard_shape: tuple[in
     order = sorted(range(len(chunk)), key=lambda i: (i not in sharded_dims, -chunk[i]))
     for i in order:
         aligned = math.gcd(chunk[i], shape[i] // math.lcm(*[k for k in COMMON_DEGREES if shape[i] % k == 0] or [1]))
-        while chunk[i] > aligned and nbytes() // _smallest_prime_factor(chunk[i] // aligned) >= chunk_bytes // 64:
+        while chunk[i] > aligned and nbytes() // _smallest_prime_factor(chunk[i] // aligned) >= chunk_bytes // 16:
             chunk[i] //= _smallest_prime_factor(chunk[i] // aligned)
     while chunk and nbytes() > chunk_bytes:
         splittable = [i for i, c in enumerate(chunk) if c > 1]

@@ -227,11 +227,28 @@ def _start(step, read: _LeafRead, key: tuple) -> tuple[Callable[[], np.ndarray],
     return (lambda: np.stack([f.result() for f in futures], axis=read.axis)), nbytes
 
 
+def _place(piece: np.ndarray, devices: list) -> dict:
+    # The first device may alias the host buffer (on CPU a device buffer is host memory, so this
+    # saves a copy); replicas always get their own copy, since one of them may be donated later.
+    out = {}
+    for n, d in enumerate(devices):
+        alias = n == 0 and piece.flags.c_contiguous and d.platform == "cpu"
+        out[d] = jax.device_put(piece, d, may_alias=True) if alias else jax.device_put(np.array(piece), d)
+    return out
+
+
 def _read_all(step, reads: list[_LeafRead], budget_bytes: int | None) -> tuple[list, int]:
-    """Pipeline box reads under a byte budget; put each box on its devices as soon as it lands."""
-    work = [(n, key, devices) for n, r in enumerate(reads) for key, devices in _boxes(r).items()]
+    """Pipeline box reads under a byte budget; put each box on its devices as soon as it lands.
+
+    Each device box is read on its own, so it lands contiguous and goes to its device without a
+    copy; a chunk that straddles two boxes of this process is decoded once and served to both
+    from the step's small chunk cache (see `sources._context`)."""
+    boxes = [_boxes(r) for r in reads]
+    work = [(n, key, devices) for n, bx in enumerate(boxes) for key, devices in bx.items()]
     hold = sum(len(d) * math.prod(b - a for a, b in key) * reads[n].dtype.itemsize for n, key, d in work)
-    budget = budget_bytes if budget_bytes is not None else max(32 << 20, hold // 4)
+    # Bytes in flight exist twice (TensorStore's decoded chunks, then the box) until placed; an
+    # eighth of the held bytes keeps a restore's peak near 1.25x what the process must hold.
+    budget = budget_bytes if budget_bytes is not None else min(max(32 << 20, hold // 8), 2 << 30)
     placed: list[dict] = [{} for _ in reads]
     remaining = collections.Counter(n for n, _, _ in work)
     values: list[Any] = [None] * len(reads)
@@ -249,8 +266,7 @@ def _read_all(step, reads: list[_LeafRead], budget_bytes: int | None) -> tuple[l
                 raise corrupt_error(step, r.sources[0], e) from None
             raise
         data = data if data.dtype == r.dtype else data.astype(r.dtype)
-        for d in devices:
-            placed[n][d] = jax.device_put(data, d)
+        placed[n].update(_place(data, devices))
         del data
         inflight -= nbytes
         remaining[n] -= 1

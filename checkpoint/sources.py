@@ -33,8 +33,13 @@ class LeafInfo:
 
 
 def _context() -> ts.Context:
-    # No cache: a restore reads each byte once, and verify must see the disk, not a cache.
-    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "data_copy_concurrency": {"limit": os.cpu_count() or 1}})
+    # A small chunk cache: when one chunk straddles two device boxes of this process, the second
+    # box reuses the decoded chunk instead of reading it from disk again. Boxes of one leaf are
+    # read one after another, so a cache of a few chunks' size is enough.
+    return ts.Context({"cache_pool": {"total_bytes_limit": CHUNK_CACHE_BYTES}})
+
+
+CHUNK_CACHE_BYTES = 64 << 20
 
 
 class RemeshStep:

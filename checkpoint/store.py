@@ -27,7 +27,7 @@ class StoreConfig:
     keep_every: int | None = None  # also keep every step divisible by this, forever
     async_save: bool = True
     codec: layout.Codec = layout.Codec.RAW
-    chunk_bytes: int = 2 << 20  # inner chunk size: smaller reads less extra on a resharded restore
+    chunk_bytes: int = 4 << 20  # largest inner chunk; smaller reads less extra on a resharded restore
     commit_timeout_s: float = 600.0  # how long process 0 waits for the others' shards
 
     def create(self, path: str | os.PathLike) -> "Store":
