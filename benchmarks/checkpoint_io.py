@@ -6,7 +6,8 @@ A GPT-shaped state (vocab 50304, d_model 768, 24 layers of qkv/out/mlp weights, 
 float32) FSDP-sharded over 8 fake CPU devices. Each repeat, interleaved so that disk noise hits
 baselines and measurements alike:
   - blocking time of `Store.save` vs a plain device-to-host copy of the same state (`jax.device_get`)
-  - background write: bytes committed / (save call to commit) vs `dd conv=fdatasync` of as many bytes
+  - background write: bytes committed / (host copy done to commit) vs `dd conv=fdatasync` of as
+    many bytes, each write on a settled disk (sync, 3 s), dd and the save alternating in order
   - restore from a cold page cache (files evicted with posix_fadvise) onto the same mesh, and onto
     a 3 x 2 mesh (rows and columns), vs cold sequential reads of the dd file and of the
     checkpoint's own files
@@ -71,6 +72,11 @@ def evict(path: str) -> None:
             os.close(fd)
 
 
+def settle(seconds: float = 3.0) -> None:
+    os.sync()
+    time.sleep(seconds)
+
+
 def dd_write(path: str, nbytes: int) -> float:
     mib = max(1, nbytes >> 20)
     t = time.perf_counter()
@@ -109,24 +115,34 @@ def measure(args) -> dict:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     base = tempfile.mkdtemp(dir=args.dir)
     store = Store(os.path.join(base, "ckpt"), config=StoreConfig(keep_last=2))
+    expected = nbytes + (1 << 20)  # data plus shard indexes and metadata, near enough for dd
     rows = []
     for r in range(args.repeats):
-        # The dd file is written first, so it is no fresher in any cache than the checkpoint.
+        # dd writes as many bytes as a checkpoint holds. On a virtual disk a write is slowed by the
+        # write-back of the one before it, so each write starts on a settled disk, and dd and the
+        # save alternate in order.
         dd_file = os.path.join(base, "dd.bin")
-        dd = dd_write(dd_file, 834 << 20 if not r else rows[0]["written"])
-        # Fresh device copies each time: JAX caches an array's host value after its first transfer.
+        if r % 2 == 0:
+            settle()
+            dd = dd_write(dd_file, expected)
+        # Fresh device copies each time (JAX caches an array's host value after its first transfer),
+        # and the baseline copy right before the save, under the same conditions.
         fresh = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
+        other = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
+        settle()
         t = time.perf_counter()
-        host = jax.device_get(fresh)
+        host = jax.device_get(other)
         d2h = time.perf_counter() - t
-        del host, fresh
-        fresh = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
+        del host, other
         t = time.perf_counter()
         store.save(r, fresh)
         blocking = time.perf_counter() - t
         store.wait()
-        total = time.perf_counter() - t
+        background = store.last_save_seconds  # the write, from the host copy to the commit
         del fresh
+        if r % 2 == 1:
+            settle()
+            dd = dd_write(dd_file, expected)
         step_dir = os.path.join(store.path, str(r))
         written = stored_bytes(step_dir)
         restores = {}
@@ -140,14 +156,19 @@ def measure(args) -> dict:
         raw_files = raw_read(step_dir)
         raw = raw_read(dd_file)
         os.remove(dd_file)
-        rows.append({"d2h_s": d2h, "blocking_s": blocking, "write_Bps": written / total, "dd_Bps": dd, "raw_read_Bps": raw,
+        rows.append({"d2h_s": d2h, "blocking_s": blocking, "write_Bps": written / background, "dd_Bps": dd, "raw_read_Bps": raw,
                      "raw_read_files_Bps": raw_files, "restore_same_s": restores["same"][0],
                      "restore_reshard_s": restores["reshard"][0], "restore_same_Bps": nbytes / restores["same"][0],
                      "amp_same": restores["same"][1].read_amplification,
                      "amp_reshard": restores["reshard"][1].read_amplification, "written": written})
         print(json.dumps({k: round(v, 4) for k, v in rows[-1].items()}), flush=True)
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    ratio = lambda a, b, invert=False: statistics.median((row[b] / row[a]) if invert else (row[a] / row[b]) for row in rows)
     out = {"state_bytes": nbytes, "repeats": rows, "median": med,
+           "median_of_ratios": {"blocking_over_d2h": ratio("blocking_s", "d2h_s"), "write_over_dd": ratio("write_Bps", "dd_Bps"),
+                                "restore_over_raw_read": ratio("restore_same_Bps", "raw_read_Bps"),
+                                "restore_over_raw_read_files": ratio("restore_same_Bps", "raw_read_files_Bps"),
+                                "reshard_over_same": ratio("restore_reshard_s", "restore_same_s")},
            "blocking_over_d2h": med["blocking_s"] / med["d2h_s"], "write_over_dd": med["write_Bps"] / med["dd_Bps"],
            "restore_over_raw_read": med["restore_same_Bps"] / med["raw_read_Bps"],
            "restore_over_raw_read_files": med["restore_same_Bps"] / med["raw_read_files_Bps"],

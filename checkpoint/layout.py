@@ -180,13 +180,17 @@ def list_files(step_dir: str) -> dict[str, int]:
     return out
 
 
-def read_manifest(step_dir: str) -> dict:
-    path = os.path.join(step_dir, MANIFEST)
+def read_json(path: str, what: str) -> dict:
     try:
         with open(path) as f:
-            doc = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"cannot read the manifest {path}: {e}") from e
+        raise CheckpointFormatError(f"cannot read {what} {path}: {e}") from e
+
+
+def read_manifest(step_dir: str) -> dict:
+    path = os.path.join(step_dir, MANIFEST)
+    doc = read_json(path, "the manifest")
     if doc.get("format") != FORMAT:
         raise CheckpointFormatError(f"{path} has format {doc.get('format')!r}; this remesh reads {FORMAT!r}")
     if doc.get("checksum") != manifest_checksum(doc):

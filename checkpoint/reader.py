@@ -228,8 +228,8 @@ def _start(step, read: _LeafRead, key: tuple) -> tuple[Callable[[], np.ndarray],
 
 
 def _place(piece: np.ndarray, devices: list) -> dict:
-    # The first device may alias the host buffer (on CPU a device buffer is host memory, so this
-    # saves a copy); replicas always get their own copy, since one of them may be donated later.
+    # The first device may alias the host buffer where XLA allows it (CPU, 64-byte aligned); replicas
+    # always get their own copy, since one of them may be donated later.
     out = {}
     for n, d in enumerate(devices):
         alias = n == 0 and piece.flags.c_contiguous and d.platform == "cpu"
@@ -240,15 +240,16 @@ def _place(piece: np.ndarray, devices: list) -> dict:
 def _read_all(step, reads: list[_LeafRead], budget_bytes: int | None) -> tuple[list, int]:
     """Pipeline box reads under a byte budget; put each box on its devices as soon as it lands.
 
-    Each device box is read on its own, so it lands contiguous and goes to its device without a
+    Each device box is read on its own, so it lands contiguous and goes to its device in one
     copy; a chunk that straddles two boxes of this process is decoded once and served to both
     from the step's small chunk cache (see `sources._context`)."""
     boxes = [_boxes(r) for r in reads]
     work = [(n, key, devices) for n, bx in enumerate(boxes) for key, devices in bx.items()]
     hold = sum(len(d) * math.prod(b - a for a, b in key) * reads[n].dtype.itemsize for n, key, d in work)
-    # Bytes in flight exist twice (TensorStore's decoded chunks, then the box) until placed; an
-    # eighth of the held bytes keeps a restore's peak near 1.25x what the process must hold.
-    budget = budget_bytes if budget_bytes is not None else min(max(32 << 20, hold // 8), 2 << 30)
+    # Bytes in flight exist up to three times (TensorStore's read buffer, the box, the device copy:
+    # XLA on CPU aliases only 64-byte aligned host buffers), so a sixteenth of the held bytes in
+    # flight keeps a restore's peak under 1.5x what the process must hold.
+    budget = budget_bytes if budget_bytes is not None else min(max(16 << 20, hold // 16), 2 << 30)
     placed: list[dict] = [{} for _ in reads]
     remaining = collections.Counter(n for n, _, _ in work)
     values: list[Any] = [None] * len(reads)

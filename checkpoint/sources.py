@@ -39,7 +39,7 @@ def _context() -> ts.Context:
     return ts.Context({"cache_pool": {"total_bytes_limit": CHUNK_CACHE_BYTES}})
 
 
-CHUNK_CACHE_BYTES = 64 << 20
+CHUNK_CACHE_BYTES = 32 << 20
 
 
 class RemeshStep:
@@ -111,12 +111,7 @@ class OrbaxStep:
 
     def __init__(self, item_dir: str, step: int, meta: dict | None = None):
         self.dir, self.step = item_dir, step
-        path = os.path.join(item_dir, ORBAX_METADATA)
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointFormatError(f"cannot read Orbax's tree metadata {path}: {e}") from e
+        doc = layout.read_json(os.path.join(item_dir, ORBAX_METADATA), "Orbax's tree metadata")
         self._use_ocdbt = doc.get("use_ocdbt", True)
         self._driver = "zarr3" if doc.get("use_zarr3") else "zarr"
         self._names: dict[str, str] = {}

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import jax
 
 from . import layout, reader, sources, writer
-from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointNotFoundError
 from .reader import Cast, RestoreStats, Rule
 
 

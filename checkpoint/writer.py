@@ -127,8 +127,9 @@ class Writer:
             if jax.process_index() == 0:
                 _await_peers(job, self._timeout_ms)
                 _commit(job, partial)
+            self.last_seconds = time.perf_counter() - t  # written and committed; retention is extra
+            if jax.process_index() == 0:
                 self._on_commit(job.step)
-            self.last_seconds = time.perf_counter() - t
         except BaseException as e:
             self._error = e
 

@@ -110,7 +110,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from checkpoint import Store, StoreConfig
+    from checkpoint import StoreConfig
     from partitioner import Plan
 
     from .program import abstract_inputs, load_program

@@ -1,7 +1,6 @@
 """The checkpoint store on 8 fake devices: exact resharding matrix, mapping rules, dtype policy,
 plain Orbax layouts, retention and integrity. Crash and multi-process tiers are in
 test_checkpoint_crash.py and test_checkpoint_multiprocess.py."""
-import itertools
 import json
 import os
 

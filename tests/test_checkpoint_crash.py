@@ -2,7 +2,6 @@
 moments (in the host copy, the background write, the commit, or retention), 50 times; every time,
 the newest committed step restores bitwise and verifies, and no committed step newer than the
 one before the kill is lost."""
-import json
 import os
 import signal
 import subprocess
