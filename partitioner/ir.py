@@ -1,0 +1,534 @@
+"""The partitioning IR: a user's step captured from its jaxpr as ops whose dimensions are tied
+together by factors, so shardings propagate through it in both directions (as GSPMD and Shardy do).
+
+Every op names its factors (each with a size and a kind) and, for each operand and result
+dimension, the factors that dimension is made of, major to minor (a reshape of [B, S, H*D] to
+[B, S, H, D] gives dimension 2 the factors (H, D)). Sharding a factor over a mesh axis shards every
+dimension that holds it as its major factor; the factor's kind says what that costs:
+
+    PASS       appears in operands and results: sharding it needs no communication (batch, heads)
+    REDUCE     contracted or reduced away: results are partial sums, an all-reduce (or
+               reduce-scatter) makes them whole (the K of a matmul, a reduced axis)
+    GATHER     the indexed dimension of a gather or scatter (an embedding's vocabulary)
+    OPAQUE     cannot be sharded without moving data (a sliced, padded, sorted or concatenated dim)
+
+Calls (`jit`, `custom_jvp_call`, `custom_vjp_call`, `checkpoint`) are inlined; `scan`, `while`
+and `cond` keep their bodies as sub-graphs, captured once however many iterations they run, so a
+scanned stack of layers is planned once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+
+class FactorKind(enum.Enum):
+    PASS = "pass"
+    REDUCE = "reduce"
+    GATHER = "gather"
+    OPAQUE = "opaque"
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+    size: int
+    kind: FactorKind
+
+
+Dims = tuple[tuple[int, ...], ...]  # per dimension: factor indices, major to minor
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "key" else 8 * math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    id: int
+    primitive: str
+    operands: tuple[int, ...]  # value ids (-1: a literal)
+    results: tuple[int, ...]
+    factors: tuple[Factor, ...]
+    operand_dims: tuple[Dims, ...]
+    result_dims: tuple[Dims, ...]
+    flops: float
+    body: "Graph | None" = None  # scan / while / cond: the captured body (first branch for cond)
+    trips: int = 1  # how many times the body runs (scan length; 1 when unknown)
+
+    def signature(self, values: Sequence[Value]) -> tuple:
+        """Equal for the same computation on the same shapes, whatever the value ids: used to
+        recognise repeated layers."""
+        shapes = tuple(values[v].shape if v >= 0 else () for v in self.operands)
+        return (self.primitive, shapes, tuple(values[v].shape for v in self.results), self.factors,
+                self.operand_dims, self.result_dims)
+
+
+@dataclasses.dataclass
+class Graph:
+    values: list[Value]
+    ops: list[Op]
+    inputs: list[int]
+    outputs: list[int]
+    input_paths: list[str]
+    unknown: dict[str, int]  # primitives captured as OPAQUE for want of a rule, with counts
+
+    def producer(self) -> dict[int, Op]:
+        return {r: op for op in self.ops for r in op.results}
+
+    def flops(self, primitive: str | None = None) -> float:
+        """FLOPs of one call (loop bodies times their trips); of one primitive if named."""
+        return sum((op.flops if primitive in (None, op.primitive) else 0.0)
+                   + (op.body.flops(primitive) * op.trips if op.body else 0.0) for op in self.ops)
+
+
+class CaptureError(ValueError):
+    """The function could not be traced to a jaxpr with the arguments given."""
+
+
+def capture(fn, *args) -> Graph:
+    """Trace `fn(*args)` (arrays or ShapeDtypeStructs) and build its partitioning graph.
+
+    Example:
+        >>> g = capture(step, abstract_state, abstract_batch)
+        >>> [op.primitive for op in g.ops if op.primitive == "dot_general"][:2]
+    """
+    try:
+        closed = jax.make_jaxpr(fn)(*args)
+    except Exception as e:
+        raise CaptureError(f"tracing {getattr(fn, '__name__', fn)} with the given arguments failed: {type(e).__name__}: {e}") from e
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    return _Builder().build(closed.jaxpr, paths)
+
+
+class _Builder:
+    def __init__(self):
+        self.values: list[Value] = []
+        self.ops: list[Op] = []
+        self.unknown: dict[str, int] = {}
+
+    def build(self, jaxpr, paths: Sequence[str]) -> Graph:
+        env: dict[Any, int] = {}
+        inputs = [self._bind(env, v) for v in list(jaxpr.constvars) + list(jaxpr.invars)]
+        self._eqns(jaxpr, env)
+        outputs = [self._read(env, v) for v in jaxpr.outvars]
+        consts = [f"const{i}" for i in range(len(jaxpr.constvars))]
+        return Graph(self.values, self.ops, inputs, outputs, consts + list(paths), self.unknown)
+
+    def _new_value(self, aval) -> int:
+        dtype = "key" if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key) else np.dtype(aval.dtype).name
+        self.values.append(Value(len(self.values), tuple(int(d) for d in aval.shape), dtype))
+        return len(self.values) - 1
+
+    def _bind(self, env, var) -> int:
+        env[var] = self._new_value(var.aval)
+        return env[var]
+
+    def _read(self, env, atom) -> int:
+        if isinstance(atom, jcore.Literal):
+            return -1
+        return env[atom]
+
+    def _eqns(self, jaxpr, env) -> None:
+        for eqn in jaxpr.eqns:
+            inner = _inlined_jaxpr(eqn)
+            if inner is not None:
+                sub_env = {}
+                for var, atom in zip(inner.invars, eqn.invars):
+                    sub_env[var] = self._read(env, atom)
+                for var, const in zip(inner.constvars, getattr(eqn.params.get("jaxpr"), "consts", ())):
+                    sub_env[var] = self._new_value(jcore.get_aval(const))
+                self._eqns(inner, sub_env)
+                for var, out in zip(eqn.outvars, inner.outvars):
+                    env[var] = self._read(sub_env, out)
+                continue
+            operands = tuple(self._read(env, a) for a in eqn.invars)
+            results = tuple(self._bind(env, v) for v in eqn.outvars)
+            in_shapes = [tuple(a.aval.shape) for a in eqn.invars]
+            out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+            body, trips = self._body(eqn)
+            rule = RULES.get(eqn.primitive.name)
+            if rule is None:
+                if eqn.primitive.name not in ELEMENTWISE:
+                    if body is None:
+                        self.unknown[eqn.primitive.name] = self.unknown.get(eqn.primitive.name, 0) + 1
+                    rule = _opaque if body is None else _control_flow
+                else:
+                    rule = _elementwise
+            factors, op_dims, res_dims, flops = rule(eqn, in_shapes, out_shapes)
+            self.ops.append(Op(len(self.ops), eqn.primitive.name, operands, results, tuple(factors),
+                               tuple(op_dims), tuple(res_dims), float(flops), body, trips))
+
+    def _body(self, eqn):
+        name = eqn.primitive.name
+        if name == "scan":
+            return _Builder().build(eqn.params["jaxpr"].jaxpr, []), int(eqn.params["length"])
+        if name == "while":
+            return _Builder().build(eqn.params["body_jaxpr"].jaxpr, []), 1
+        if name == "cond":
+            return _Builder().build(eqn.params["branches"][0].jaxpr, []), 1
+        return None, 1
+
+
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+          "checkpoint", "remat", "remat2", "custom_lin"}
+
+
+def _inlined_jaxpr(eqn):
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return getattr(j, "jaxpr", j)
+    return None
+
+
+# -- factor rules --------------------------------------------------------------------------------
+
+ELEMENTWISE = {
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "pow", "integer_pow", "square", "sqrt", "rsqrt",
+    "cbrt", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "neg", "sign", "abs",
+    "floor", "ceil", "round", "is_finite", "erf", "erfc", "erf_inv", "select_n", "convert_element_type", "eq", "ne",
+    "lt", "gt", "le", "ge", "and", "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "stop_gradient", "copy", "copy_p", "clamp", "nextafter", "atan2", "reduce_precision", "bitcast_convert_type",
+    "threefry2x32", "random_wrap", "random_unwrap", "random_fold_in", "imag", "real", "conj", "population_count",
+}
+
+
+def _own(shape, factors, kind=FactorKind.PASS) -> Dims:
+    dims = []
+    for d in shape:
+        factors.append(Factor(int(d), kind))
+        dims.append((len(factors) - 1,))
+    return tuple(dims)
+
+
+def _elementwise(eqn, in_shapes, out_shapes):
+    factors: list[Factor] = []
+    shape = max(out_shapes + in_shapes, key=len)
+    dims = _own(shape, factors)
+    rank = len(shape)
+    op_dims = [dims if len(s) == rank and s == shape else _broadcast_dims(s, shape, dims) for s in in_shapes]
+    res_dims = [dims[rank - len(s):] if len(s) <= rank else _own(s, factors) for s in out_shapes]
+    return factors, op_dims, res_dims, math.prod(shape)
+
+
+def _broadcast_dims(s, shape, dims) -> Dims:
+    # Rank-0 operands (scalars) and size-1 dims hold no factor.
+    if not s:
+        return ()
+    offset = len(shape) - len(s)
+    return tuple(dims[offset + i] if d == shape[offset + i] else () for i, d in enumerate(s))
+
+
+def _opaque(eqn, in_shapes, out_shapes):
+    factors: list[Factor] = []
+    op_dims = [_own(s, factors, FactorKind.OPAQUE) for s in in_shapes]
+    res_dims = [_own(s, factors, FactorKind.OPAQUE) for s in out_shapes]
+    return factors, op_dims, res_dims, 0.0
+
+
+def _control_flow(eqn, in_shapes, out_shapes):
+    """Outer operands of a loop or cond: carries and constants map to the body's values (kept in
+    `Op.body`); here, every dimension is its own factor, the scanned one sequential."""
+    factors: list[Factor] = []
+    op_dims = [_own(s, factors) for s in in_shapes]
+    res_dims = [_own(s, factors) for s in out_shapes]
+    return factors, op_dims, res_dims, 0.0
+
+
+def _broadcast_in_dim(eqn, in_shapes, out_shapes):
+    factors: list[Factor] = []
+    res = _own(out_shapes[0], factors)
+    bdims = eqn.params["broadcast_dimensions"]
+    op = tuple(res[o] if in_shapes[0][i] == out_shapes[0][o] else () for i, o in enumerate(bdims))
+    return factors, [op] + [() for _ in in_shapes[1:]], [res], 0.0
+
+
+def _transpose(eqn, in_shapes, out_shapes):
+    factors: list[Factor] = []
+    op = _own(in_shapes[0], factors)
+    return factors, [op], [tuple(op[p] for p in eqn.params["permutation"])], 0.0
+
+
+def _reshape(eqn, in_shapes, out_shapes):
+    """Group dimensions whose products match. In a group where one side is a single dimension
+    (a merge or a split), the other side's dims are the factors and the single dim holds them
+    all, major to minor; a group that reorders on both sides cannot keep a sharding."""
+    a, b = list(in_shapes[0]), list(out_shapes[0])
+    factors: list[Factor] = []
+    da: list[tuple] = []
+    db: list[tuple] = []
+    for ga, gb in _reshape_groups(a, b):
+        if len(ga) == 1 or len(gb) == 1:
+            finer, coarse_a = (ga, False) if len(ga) >= len(gb) else (gb, True)
+            sizes = [a[k] for k in ga] if not coarse_a else [b[k] for k in gb]
+            ids = tuple(range(len(factors), len(factors) + len(sizes)))
+            factors += [Factor(int(x), FactorKind.PASS) for x in sizes]
+            if coarse_a:
+                da += [ids] * len(ga)
+                db += [(i,) for i in ids]
+            else:
+                da += [(i,) for i in ids]
+                db += [ids] * len(gb)
+        else:
+            da += list(_own([a[k] for k in ga], factors, FactorKind.OPAQUE))
+            db += list(_own([b[k] for k in gb], factors, FactorKind.OPAQUE))
+    return factors, [tuple(da)] + [() for _ in in_shapes[1:]], [tuple(db)], 0.0
+
+
+def _reshape_groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        ga, gb = ([i] if i < len(a) else []), ([j] if j < len(b) else [])
+        pa, pb = (a[i] if ga else 1), (b[j] if gb else 1)
+        while pa != pb:
+            if pa < pb and ga and ga[-1] + 1 < len(a):
+                ga.append(ga[-1] + 1)
+                pa *= a[ga[-1]]
+            elif pb < pa and gb and gb[-1] + 1 < len(b):
+                gb.append(gb[-1] + 1)
+                pb *= b[gb[-1]]
+            else:
+                break
+        groups.append((ga, gb))
+        i, j = (ga[-1] + 1 if ga else i), (gb[-1] + 1 if gb else j)
+    return groups
+
+
+def _squeeze(eqn, in_shapes, out_shapes):
+    factors: list[Factor] = []
+    res = _own(out_shapes[0], factors)
+    dropped = set(d % max(len(in_shapes[0]), 1) for d in eqn.params["dimensions"])
+    it = iter(res)
+    op = tuple(() if i in dropped else next(it) for i in range(len(in_shapes[0])))
+    return factors, [op], [res], 0.0
+
+
+def _expand_dims(eqn, in_shapes, out_shapes):
+    factors: list[Factor] = []
+    op = _own(in_shapes[0], factors)
+    added = set(eqn.params["dimensions"])
+    it = iter(op)
+    res = tuple(() if i in added else next(it) for i in range(len(out_shapes[0])))
+    return factors, [op], [res], 0.0
+
+
+def _dot_general(eqn, in_shapes, out_shapes):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ls, rs = in_shapes
+    factors: list[Factor] = []
+    ldims: list[tuple] = [()] * len(ls)
+    rdims: list[tuple] = [()] * len(rs)
+    out = []
+    for l, r in zip(lb, rb):
+        factors.append(Factor(ls[l], FactorKind.PASS))
+        ldims[l] = rdims[r] = (len(factors) - 1,)
+        out.append((len(factors) - 1,))
+    for side, dims, shape, skip in ((0, ldims, ls, set(lc) | set(lb)), (1, rdims, rs, set(rc) | set(rb))):
+        for d in range(len(shape)):
+            if d not in skip:
+                factors.append(Factor(shape[d], FactorKind.PASS))
+                dims[d] = (len(factors) - 1,)
+                out.append((len(factors) - 1,))
+    for l, r in zip(lc, rc):
+        factors.append(Factor(ls[l], FactorKind.REDUCE))
+        ldims[l] = rdims[r] = (len(factors) - 1,)
+    flops = 2 * math.prod(f.size for f in factors)
+    return factors, [tuple(ldims), tuple(rdims)], [tuple(out)], flops
+
+
+def _reduce(eqn, in_shapes, out_shapes):
+    axes = set(eqn.params["axes"])
+    factors: list[Factor] = []
+    op = []
+    res = []
+    for d, size in enumerate(in_shapes[0]):
+        factors.append(Factor(size, FactorKind.REDUCE if d in axes else FactorKind.PASS))
+        op.append((len(factors) - 1,))
+        if d not in axes:
+            res.append((len(factors) - 1,))
+    return factors, [tuple(op)] + [() for _ in in_shapes[1:]], [tuple(res) for _ in out_shapes], math.prod(in_shapes[0])
+
+
+def _along_axis(kind_of_axis: FactorKind, param: str):
+    """Ops that keep the shape but move data along one axis (cumsum, sort, concat, ...)."""
+
+    def rule(eqn, in_shapes, out_shapes):
+        axis = eqn.params[param]
+        shape = out_shapes[0]
+        factors: list[Factor] = []
+        dims = []
+        for d, size in enumerate(shape):
+            factors.append(Factor(size, kind_of_axis if d == axis else FactorKind.PASS))
+            dims.append((len(factors) - 1,))
+        op_dims = [tuple(dims[d] if d != axis else (_own((s[d],), factors, FactorKind.OPAQUE)[0][0],) for d in range(len(s)))
+                   if len(s) == len(shape) else () for s in in_shapes]
+        return factors, op_dims, [tuple(dims) for _ in out_shapes], math.prod(shape)
+
+    return rule
+
+
+def _same_where_unchanged(eqn, in_shapes, out_shapes):
+    """slice, pad, dynamic_slice, rev, ...: a dim whose size is unchanged passes through; a dim
+    that is cut or padded cannot be sharded without moving data."""
+    shape, src = out_shapes[0], in_shapes[0]
+    factors: list[Factor] = []
+    op, res = [], []
+    for d, (a, b) in enumerate(zip(src, shape)):
+        if a == b:
+            factors.append(Factor(a, FactorKind.PASS))
+            op.append((len(factors) - 1,))
+            res.append((len(factors) - 1,))
+        else:
+            op.append(_own((a,), factors, FactorKind.OPAQUE)[0])
+            res.append(_own((b,), factors, FactorKind.OPAQUE)[0])
+    extra = [res if s == shape and i == 1 and eqn.primitive.name == "dynamic_update_slice" else _own(s, factors, FactorKind.OPAQUE)
+             for i, s in enumerate(in_shapes[1:], 1)]
+    return factors, [tuple(op)] + extra, [tuple(res)], 0.0
+
+
+def _gather(eqn, in_shapes, out_shapes):
+    """Offset dims of the result come from operand dims taken whole; batch dims from the
+    indices; an operand dim that is indexed (an embedding's vocabulary) is a GATHER factor."""
+    dn = eqn.params["dimension_numbers"]
+    sizes = eqn.params["slice_sizes"]
+    operand, indices, out = in_shapes[0], in_shapes[1], out_shapes[0]
+    factors: list[Factor] = []
+    op_dims: list[tuple] = [()] * len(operand)
+    res_dims: list[tuple] = [()] * len(out)
+    offset_operand = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims
+                      and d not in getattr(dn, "operand_batching_dims", ())]
+    for out_d, op_d in zip(dn.offset_dims, offset_operand):
+        kind = FactorKind.PASS if sizes[op_d] == operand[op_d] else FactorKind.OPAQUE
+        factors.append(Factor(out[out_d], kind))
+        res_dims[out_d] = (len(factors) - 1,)
+        if kind is FactorKind.PASS:
+            op_dims[op_d] = (len(factors) - 1,)
+    batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
+    index_batch = [d for d in range(len(indices)) if d != len(indices) - 1]
+    idx_dims: list[tuple] = [()] * len(indices)
+    for out_d, idx_d in zip(batch_out, index_batch):
+        factors.append(Factor(out[out_d], FactorKind.PASS))
+        res_dims[out_d] = idx_dims[idx_d] = (len(factors) - 1,)
+    for d in range(len(operand)):
+        if not op_dims[d]:
+            factors.append(Factor(operand[d], FactorKind.GATHER))
+            op_dims[d] = (len(factors) - 1,)
+    return factors, [tuple(op_dims), tuple(idx_dims)], [tuple(res_dims)], 0.0
+
+
+def _scatter(eqn, in_shapes, out_shapes):
+    """The transpose of a gather: updates scattered into the operand's indexed dim."""
+    dn = eqn.params["dimension_numbers"]
+    operand, indices, updates = in_shapes[0], in_shapes[1], in_shapes[2]
+    factors: list[Factor] = []
+    op_dims: list[tuple] = [()] * len(operand)
+    upd_dims: list[tuple] = [()] * len(updates)
+    window_operand = [d for d in range(len(operand)) if d not in dn.inserted_window_dims
+                      and d not in getattr(dn, "operand_batching_dims", ())]
+    for upd_d, op_d in zip(dn.update_window_dims, window_operand):
+        kind = FactorKind.PASS if updates[upd_d] == operand[op_d] else FactorKind.OPAQUE
+        factors.append(Factor(updates[upd_d], kind))
+        upd_dims[upd_d] = (len(factors) - 1,)
+        if kind is FactorKind.PASS:
+            op_dims[op_d] = (len(factors) - 1,)
+    scatter_upd = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+    idx_dims: list[tuple] = [()] * len(indices)
+    for upd_d, idx_d in zip(scatter_upd, [d for d in range(len(indices)) if d != len(indices) - 1]):
+        factors.append(Factor(updates[upd_d], FactorKind.REDUCE))  # colliding indices add up
+        upd_dims[upd_d] = idx_dims[idx_d] = (len(factors) - 1,)
+    for d in range(len(operand)):
+        if not op_dims[d]:
+            factors.append(Factor(operand[d], FactorKind.GATHER))
+            op_dims[d] = (len(factors) - 1,)
+    return factors, [tuple(op_dims), tuple(idx_dims), tuple(upd_dims)], [tuple(op_dims)], math.prod(updates)
+
+
+def _fresh(eqn, in_shapes, out_shapes):
+    """iota, random bits from a key, ...: results are made here, their dims are free."""
+    factors: list[Factor] = []
+    return factors, [_own(s, factors) if s else () for s in in_shapes], [_own(s, factors) for s in out_shapes], 0.0
+
+
+RULES = {
+    "broadcast_in_dim": _broadcast_in_dim,
+    "transpose": _transpose,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "expand_dims": _expand_dims,
+    "dot_general": _dot_general,
+    "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_min": _reduce, "reduce_prod": _reduce,
+    "reduce_and": _reduce, "reduce_or": _reduce, "argmax": _reduce, "argmin": _reduce,
+    "cumsum": _along_axis(FactorKind.OPAQUE, "axis"), "cumprod": _along_axis(FactorKind.OPAQUE, "axis"),
+    "cummax": _along_axis(FactorKind.OPAQUE, "axis"), "cumlogsumexp": _along_axis(FactorKind.OPAQUE, "axis"),
+    "sort": _along_axis(FactorKind.OPAQUE, "dimension"),
+    "concatenate": _along_axis(FactorKind.OPAQUE, "dimension"),
+    "slice": _same_where_unchanged, "pad": _same_where_unchanged, "rev": _same_where_unchanged,
+    "dynamic_slice": _same_where_unchanged, "dynamic_update_slice": _same_where_unchanged,
+    "gather": _gather,
+    "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
+    "iota": _fresh, "random_bits": _fresh, "random_split": _fresh, "random_seed": _fresh, "rng_bit_generator": _fresh,
+}
+
+
+# -- repeated layers (TAP) ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Repeat:
+    """`count` consecutive copies of a block of `period` ops starting at op `start`: an unrolled
+    stack of identical layers (forward or backward). Planned once, applied to every copy."""
+
+    start: int
+    period: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.count
+
+
+def find_repeats(graph: Graph, min_count: int = 2) -> list[Repeat]:
+    """Maximal runs of identical op blocks, longest coverage first, non-overlapping.
+
+    Op signatures are hashed to integers; candidate periods are the gaps between consecutive
+    occurrences of each matmul signature (every layer has its own matmuls), and each candidate is
+    checked in one linear pass, so this stays near-linear in the number of ops."""
+    sig_ids: dict[tuple, int] = {}
+    seq = [sig_ids.setdefault(op.signature(graph.values), len(sig_ids)) for op in graph.ops]
+    positions: dict[int, list[int]] = {}
+    for i, (op, s) in enumerate(zip(graph.ops, seq)):
+        if op.primitive == "dot_general":
+            positions.setdefault(s, []).append(i)
+    periods = sorted({b - a for pos in positions.values() for a, b in zip(pos, pos[1:])}, reverse=True)
+    found: list[Repeat] = []
+    for period in periods:
+        i = 0
+        while i + period < len(seq):
+            j = i
+            while j + period < len(seq) and seq[j] == seq[j + period]:
+                j += 1
+            count = (j - i) // period + 1
+            if count >= min_count:
+                found.append(Repeat(i, period, count))
+                i = i + period * count
+            else:
+                i = j + 1
+    chosen: list[Repeat] = []
+    for r in sorted(found, key=lambda r: (-r.period * r.count, r.start)):
+        if all(r.stop <= c.start or r.start >= c.stop for c in chosen):
+            chosen.append(r)
+    return sorted(chosen, key=lambda r: r.start)
