@@ -1,0 +1,131 @@
+"""Sharding propagation over the factor graph (GSPMD's idea, with Shardy's factors): annotate a
+few values, and every other value gets a sharding through the ops' factors, forward and backward,
+until nothing changes.
+
+A value's sharding is a tuple with one entry per dimension: the mesh axes that dimension is split
+over (major to minor), `()` for replicated. Within one op a factor takes the axes of the first
+dimension that gives it some (operands before results on forward sweeps, results first on backward
+sweeps); an assignment is dropped when the factor's size does not divide by the axes' product or
+when an axis is already used by another dimension of the same value.
+
+The result also lists, per op, the communication the assignment implies: a sharded REDUCE factor
+leaves partial sums to all-reduce; an operand whose given sharding differs from what the op's
+factors ask must be resharded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+from .ir import FactorKind, Graph, Op
+
+Sharding = tuple[tuple[str, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    op: int
+    kind: str  # "all-reduce" (partial sums over REDUCE factors) or "reshard"
+    value: int
+    axes: tuple[str, ...]
+    bytes: int  # of the value per device, before the collective
+
+
+@dataclasses.dataclass
+class Propagation:
+    shardings: dict[int, Sharding]
+    factor_axes: dict[int, dict[int, tuple[str, ...]]]  # op id -> factor -> axes
+    communication: list[Communication]
+
+    def of(self, value: int, rank: int) -> Sharding:
+        return self.shardings.get(value, ((),) * rank)
+
+
+def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[str, int], *, max_sweeps: int = 8) -> Propagation:
+    """`annotations`: value id -> sharding (inputs, usually: parameters and batch). Annotated values
+    keep their sharding; the rest are filled in.
+
+    Example:
+        >>> p = propagate(g, {g.inputs[0]: (("data",), ()), g.inputs[1]: ((), ("model",))}, {"data": 2, "model": 4})
+        >>> p.shardings[g.outputs[0]]
+    """
+    shardings: dict[int, Sharding] = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
+    fixed = set(shardings)
+    factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
+    for sweep in range(max_sweeps):
+        changed = False
+        order = graph.ops if sweep % 2 == 0 else list(reversed(graph.ops))
+        for op in order:
+            changed |= _step(graph, op, shardings, fixed, factor_axes[op.id], mesh, forward=sweep % 2 == 0)
+        if not changed:
+            break
+    return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
+
+
+def _sides(op: Op, forward: bool):
+    operands = list(zip(op.operands, op.operand_dims))
+    results = list(zip(op.results, op.result_dims))
+    return operands + results if forward else results + operands
+
+
+def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward: bool) -> bool:
+    for value, dims in _sides(op, forward):
+        if value < 0 or value not in shardings:
+            continue
+        for axes, factors in zip(shardings[value], dims):
+            if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
+                if not any(set(axes) & set(a) for a in assigned.values()):
+                    assigned[factors[0]] = tuple(axes)
+    changed = False
+    for value, dims in _sides(op, forward):
+        if value < 0 or value in fixed:
+            continue
+        rank = len(graph.values[value].shape)
+        if len(dims) != rank:
+            continue
+        current = shardings.get(value, ((),) * rank)
+        proposed = list(current)
+        used = {a for axes in current for a in axes}
+        for d, factors in enumerate(dims):
+            if proposed[d] or not factors or factors[0] not in assigned:
+                continue
+            axes = assigned[factors[0]]
+            if op.factors[factors[0]].kind is FactorKind.REDUCE and value in op.results:
+                continue
+            if not used & set(axes) and _fits(graph.values[value].shape[d], axes, mesh):
+                proposed[d] = axes
+                used |= set(axes)
+        if tuple(proposed) != current:
+            shardings[value] = tuple(proposed)
+            changed = True
+    return changed
+
+
+def _fits(size: int, axes, mesh) -> bool:
+    return size % math.prod(mesh[a] for a in axes) == 0
+
+
+def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communication]:
+    out = []
+    for op in graph.ops:
+        assigned = factor_axes[op.id]
+        for f, axes in assigned.items():
+            if op.factors[f].kind is FactorKind.REDUCE:
+                for value in op.results:
+                    out.append(Communication(op.id, "all-reduce", value, axes, _per_device_bytes(graph, value, shardings, mesh)))
+        for value, dims in zip(op.operands, op.operand_dims):
+            if value < 0 or value not in shardings:
+                continue
+            for d, (axes, factors) in enumerate(zip(shardings[value], dims)):
+                want = assigned.get(factors[0], ()) if factors else ()
+                if axes and tuple(axes) != tuple(want):
+                    out.append(Communication(op.id, "reshard", value, tuple(axes), _per_device_bytes(graph, value, shardings, mesh)))
+                    break
+    return out
+
+
+def _per_device_bytes(graph: Graph, value: int, shardings, mesh) -> int:
+    v = graph.values[value]
+    parts = math.prod(math.prod(mesh[a] for a in axes) for axes in shardings.get(value, ()))
+    return v.nbytes // max(parts, 1)

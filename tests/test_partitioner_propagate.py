@@ -1,0 +1,59 @@
+"""Sharding propagation over the factor graph: a few annotations shard everything else."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from partitioner.ir import capture
+from partitioner.propagate import propagate
+
+pytestmark = pytest.mark.unit
+
+f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+MESH = {"data": 2, "model": 4}
+
+
+def mlp(x, w1, w2):
+    return jax.nn.relu(x @ w1) @ w2
+
+
+def producer_of(g, primitive, n=0):
+    return [op for op in g.ops if op.primitive == primitive][n]
+
+
+def test_megatron_annotations_propagate_column_then_row_parallel():
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    first, second = producer_of(g, "dot_general", 0), producer_of(g, "dot_general", 1)
+    hidden = first.results[0]
+    assert p.shardings[hidden] == (("data",), ("model",))  # column-parallel: hidden units split
+    assert p.shardings[g.outputs[0]] == (("data",), ())  # row-parallel: whole columns again ...
+    reduce = [c for c in p.communication if c.kind == "all-reduce"]
+    assert [(c.op, c.axes) for c in reduce] == [(second.id, ("model",))]  # ... after one all-reduce
+    assert reduce[0].bytes == 16 * 64 * 4 // 2  # the (batch/2, 64) partial sums per device
+    assert not [c for c in p.communication if c.kind == "reshard"]
+
+
+def test_data_parallel_batch_annotation_reaches_the_loss_and_gradients_need_a_reduction():
+    loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    g = capture(jax.grad(loss), f32(64, 64), f32(32, 64))
+    w, x = g.inputs
+    p = propagate(g, {w: ((), ()), x: (("data",), ())}, MESH)
+    grad_matmul = [op for op in g.ops if op.primitive == "dot_general" and g.values[op.results[0]].shape == (64, 64)]
+    assert grad_matmul and any(c.kind == "all-reduce" and c.op == grad_matmul[0].id and c.axes == ("data",) for c in p.communication)
+    assert p.shardings.get(g.outputs[0], ((), ())) == ((), ())  # the gradient is whole (summed)
+
+
+def test_a_dimension_that_does_not_divide_stays_replicated():
+    g = capture(lambda x, w: x @ w, f32(6, 64), f32(64, 30))
+    x, w = g.inputs
+    p = propagate(g, {x: ((), ()), w: ((), ("model",))}, MESH)  # 30 does not divide by 4
+    assert p.of(g.outputs[0], 2) == ((), ())
+
+
+def test_backward_propagation_from_an_output_annotation():
+    g = capture(lambda x, w: jnp.tanh(x @ w), f32(16, 64), f32(64, 128))
+    out = g.outputs[0]
+    p = propagate(g, {out: (("data",), ("model",))}, MESH)
+    x, w = g.inputs
+    assert p.shardings[x][0] == ("data",) and p.shardings[w][1] == ("model",)
