@@ -57,3 +57,21 @@ def test_backward_propagation_from_an_output_annotation():
     p = propagate(g, {out: (("data",), ("model",))}, MESH)
     x, w = g.inputs
     assert p.shardings[x][0] == ("data",) and p.shardings[w][1] == ("model",)
+
+
+def test_megatron_mlp_is_priced_with_one_intra_host_all_reduce():
+    from partitioner.cost import estimate
+    from partitioner.hardware import profile
+
+    h100 = profile("h100")
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    cost = estimate(g, p, MESH, h100)
+    partial = 16 * 64 * 4 // 2
+    assert cost.collective_bytes == {"all-reduce": 2 * 3 * partial // 4, "all-gather": 0}
+    assert cost.communication_seconds == pytest.approx(2 * 3 / 4 * partial / h100.intra.bandwidth + 6 * h100.intra.latency)
+    # Per device: x/2, w1/4 and w2/4 from the start; the peak is when the first matmul's (16, 256)
+    # result, split 8 ways, appears before x and w1 are freed.
+    x_b, w_b, h_b = 16 * 64 * 4 // 2, 64 * 256 * 4 // 4, 16 * 256 * 4 // 8
+    assert cost.peak_bytes_per_device == x_b + 2 * w_b + h_b
