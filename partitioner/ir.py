@@ -125,7 +125,7 @@ class _Builder:
         self._eqns(jaxpr, env)
         outputs = [self._read(env, v) for v in jaxpr.outvars]
         consts = [f"const{i}" for i in range(len(jaxpr.constvars))]
-        return Graph(self.values, self.ops, inputs, outputs, consts + list(paths), self.unknown)
+        return Graph(self.values, _live_ops(self.ops, outputs), inputs, outputs, consts + list(paths), self.unknown)
 
     def _new_value(self, aval) -> int:
         dtype = "key" if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key) else np.dtype(aval.dtype).name
@@ -180,6 +180,18 @@ class _Builder:
         if name == "cond":
             return _Builder().build(eqn.params["branches"][0].jaxpr, []), 1
         return None, 1
+
+
+def _live_ops(ops: list[Op], outputs: list[int]) -> list[Op]:
+    """Drop ops whose results nothing needs (a loss computed under `grad` but not returned):
+    XLA removes them too, and their collectives would be priced for nothing."""
+    needed = {v for v in outputs if v >= 0}
+    keep = []
+    for op in reversed(ops):
+        if any(r in needed for r in op.results):
+            keep.append(op)
+            needed.update(v for v in op.operands if v >= 0)
+    return [dataclasses.replace(op, id=i) for i, op in enumerate(reversed(keep))]
 
 
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",

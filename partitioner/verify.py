@@ -1,0 +1,165 @@
+"""What the compiler really does with a plan: compile it on devices (fake CPU devices are fine),
+read the collectives XLA inserted from the optimized HLO (kind, bytes, group size), XLA's FLOP
+count and memory analysis, and price the collectives with the same hardware profile the planner
+uses, beside the plan's own prediction.
+
+    >>> v = partitioner.verify(plan, step, state, batch)
+    >>> print(v.table())
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from .hardware import Hardware, profile
+from .plan import Plan
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    bytes: int  # result bytes per device
+    group_size: int
+    text: str
+    span: int = 1  # consecutive devices the group spans
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    collectives: tuple[Collective, ...]
+    flops: float  # per device, XLA's cost analysis
+    peak_bytes: int  # per device: arguments + outputs + temporaries - aliased, XLA's memory analysis
+    communication_seconds: float  # the collectives found, priced with the hardware profile
+    compute_seconds: float
+    predicted: Any  # the plan's Cost
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes each device sends per kind, with the same ring formulas as the planner."""
+        out: dict[str, int] = {}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0) + int(_sent(c))
+        return out
+
+    def table(self) -> str:
+        p = self.predicted
+        rows = [("", "predicted", "compiled"),
+                ("compute s", f"{p.compute_seconds:.3g}", f"{self.compute_seconds:.3g}"),
+                ("communication s", f"{p.communication_seconds:.3g}", f"{self.communication_seconds:.3g}"),
+                ("peak bytes/device", f"{p.peak_bytes_per_device:,}", f"{self.peak_bytes:,}")]
+        for kind in sorted(set(p.collective_bytes) | set(self.collective_bytes)):
+            rows.append((f"{kind} bytes", f"{int(p.collective_bytes.get(kind, 0)):,}", f"{self.collective_bytes.get(kind, 0):,}"))
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{a:<{width}}  {b:>16}  {c:>16}" for a, b, c in rows)
+
+
+class VerifyDevicesError(RuntimeError):
+    """Not enough devices to compile the plan."""
+
+
+def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=None) -> Verification:
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) < plan.devices_used:
+        raise VerifyDevicesError(
+            f"verifying a plan for {plan.devices_used} devices needs that many, got {len(devices)}; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={plan.devices_used} before importing jax")
+    hw = profile(hardware)
+    compiled = plan.jit(fn, args, devices).lower(*args).compile()
+    collectives = tuple(parse_collectives(compiled.as_text()))
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    memory = compiled.memory_analysis()
+    peak = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
+    comm = sum(_seconds(c, hw, plan.mesh) for c in collectives)
+    flops = float(analysis.get("flops", 0.0))
+    return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost)
+
+
+def parse_collectives(hlo: str) -> list[Collective]:
+    """Collectives in optimized HLO text; an async pair (`-start`/`-done`) counts once."""
+    out = []
+    for line in hlo.splitlines():
+        m = _LINE.search(line)
+        if not m or "-done" in line.split("=", 1)[-1].split("(", 1)[0]:
+            continue
+        shape = m.group("shape")
+        arrays = _ARRAY.findall(shape)
+        if m.group("start") and m.group("kind") in ("all-gather", "collective-permute") and len(arrays) > 1:
+            arrays = arrays[len(arrays) // 2:]  # (operands, results): the results
+        nbytes = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in arrays)
+        out.append(Collective(m.group("kind"), nbytes, _group_size(line), line.strip()[:160], _group_span(line)))
+    return out
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    return _iota_group_size(line)
+
+
+def _group_span(line: str) -> int:
+    """How many consecutive devices the first group spans (what decides the link it uses)."""
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        ids = [int(x) for x in m.group(1).split(",") if x]
+        return max(ids) - min(ids) + 1
+    mesh = _mesh_groups(line)
+    return mesh[1] if mesh else _iota_group_size(line)
+
+
+def _mesh_groups(line: str):
+    """`replica_groups=mesh['a'=2,'b'=4] {'a'}`: (group size, span) over the named mesh axes."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if not m:
+        return None
+    axes = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+    chosen = set(re.findall(r"'([^']+)'", m.group(2)))
+    size, span = 1, 1
+    for i, (name, n) in enumerate(axes):
+        if name in chosen:
+            stride = math.prod(v for _, v in axes[i + 1:])
+            size *= n
+            span += (n - 1) * stride
+    return size, span
+
+
+def _iota_group_size(line: str) -> int:
+    mesh = _mesh_groups(line)
+    if mesh:
+        return mesh[0]
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)  # iota form: [groups, size]
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"source_target_pairs=\{([^}]*)\}", line)
+    return 2 if m else 1
+
+
+def _sent(c: Collective) -> float:
+    p = c.group_size
+    if p <= 1:
+        return 0.0
+    if c.kind == "all-reduce":
+        return 2 * (p - 1) / p * c.bytes
+    if c.kind == "all-gather":
+        return (p - 1) / p * c.bytes  # the result is the gathered whole
+    if c.kind == "reduce-scatter":
+        return (p - 1) * c.bytes  # the result is one shard
+    return float(c.bytes)
+
+
+def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
+    link = hw.link(max(c.span, c.group_size))
+    steps = 2 * (c.group_size - 1) if c.kind == "all-reduce" else max(c.group_size - 1, 1)
+    return _sent(c) / link.bandwidth + steps * link.latency

@@ -1,0 +1,77 @@
+"""verify(): what XLA really inserts for a plan, beside what the factor graph predicts."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from partitioner import Cost, Plan, verify
+from partitioner.cost import estimate
+from partitioner.hardware import profile
+from partitioner.ir import capture
+from partitioner.propagate import propagate
+from partitioner.verify import parse_collectives
+
+pytestmark = pytest.mark.fake_devices
+
+f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+MESH = {"data": 2, "model": 4}
+
+
+def mlp(x, w1, w2):
+    return jax.nn.relu(x @ w1) @ w2
+
+
+def hand_plan(in_specs, out_specs, predicted):
+    return Plan(mesh=MESH, in_specs=in_specs, out_specs=out_specs, cost=predicted, search_seconds=0.0, devices=8)
+
+
+def predicted_cost(fn, args, annotations):
+    g = capture(fn, *args)
+    p = propagate(g, dict(zip(g.inputs, annotations)), MESH)
+    c = estimate(g, p, MESH, profile("h100"))
+    return Cost(c.compute_seconds, c.communication_seconds, c.collective_bytes, c.peak_bytes_per_device)
+
+
+def test_megatron_mlp_compiles_to_the_one_all_reduce_the_factor_graph_predicts(devices8):
+    args = (f32(16, 64), f32(64, 256), f32(256, 64))
+    specs = (P("data"), P(None, "model"), P("model", None))
+    predicted = predicted_cost(mlp, args, [(("data",), ()), ((), ("model",)), (("model",), ())])
+    v = verify(hand_plan(specs, P("data"), predicted), mlp, *args)
+    assert [(c.kind, c.bytes, c.group_size) for c in v.collectives] == [("all-reduce", 16 * 64 * 4 // 2, 4)]
+    assert v.collective_bytes == {"all-reduce": predicted.collective_bytes["all-reduce"]}
+    assert v.communication_seconds == pytest.approx(predicted.communication_seconds, rel=1e-6)
+    assert v.flops == pytest.approx(2 * (8 * 64 * 64) * 2, rel=0.02)  # per device: two (8 x 64 x 64) matmuls
+    assert v.peak_bytes == pytest.approx(predicted.peak_bytes_per_device, rel=0.15)
+    assert "all-reduce bytes" in v.table()
+
+
+def test_data_parallel_gradients_are_all_reduced_over_the_data_axis(devices8):
+    loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    grad = jax.grad(loss)
+    args = (f32(64, 64), f32(32, 64))
+    predicted = predicted_cost(grad, args, [((), ()), (("data",), ())])
+    v = verify(hand_plan((P(), P("data")), P(), predicted), grad, *args)
+    # One all-reduce of the (64, 64) weight gradient over the 2 data replicas (devices 0 and 4).
+    assert [(c.kind, c.bytes, c.group_size, c.span) for c in v.collectives] == [("all-reduce", 64 * 64 * 4, 2, 5)]
+    assert v.collective_bytes == {"all-reduce": predicted.collective_bytes["all-reduce"]}
+
+
+def test_hlo_parsing_handles_async_pairs_tuples_and_iota_groups():
+    hlo = """
+  %ag = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(f32[4,8]{1,0} %p), replica_groups=[2,4]<=[8], dimensions={0}
+  %agd = f32[16,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[16,8]{1,0}) %ag)
+  %ar = (bf16[128]{0}, f32[2,2]{1,0}) all-reduce(bf16[128]{0} %a, f32[2,2]{1,0} %b), replica_groups={{0,2},{1,3}}, to_apply=%add
+  %rs = f32[2,8]{1,0} reduce-scatter(f32[8,8]{1,0} %c), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+  %m = f32[4]{0} all-reduce(f32[4]{0} %d), replica_groups=mesh['x'=2,'y'=1,'z'=4] {'x','z'}, to_apply=%add
+"""
+    got = [(c.kind, c.bytes, c.group_size, c.span) for c in parse_collectives(hlo)]
+    assert got == [("all-gather", 16 * 8 * 4, 4, 4), ("all-reduce", 128 * 2 + 4 * 4, 2, 3), ("reduce-scatter", 2 * 8 * 4, 4, 4),
+                   ("all-reduce", 16, 8, 8)]
+
+
+def test_too_few_devices_is_a_clear_error(devices8):
+    from partitioner import VerifyDevicesError
+
+    plan = Plan(mesh={"data": 16}, in_specs=(P("data"),), out_specs=P("data"), cost=Cost(0, 0, {}, 0), search_seconds=0, devices=16)
+    with pytest.raises(VerifyDevicesError, match="needs that many, got 8.*device_count=16"):
+        verify(plan, lambda x: x * 2, f32(32))
