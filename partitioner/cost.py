@@ -14,7 +14,7 @@ import math
 from typing import Mapping
 
 from .hardware import Hardware
-from .ir import Graph
+from .ir import ELEMENTWISE, Graph
 from .propagate import Propagation
 
 
@@ -30,8 +30,12 @@ class GraphCost:
         return self.compute_seconds + self.communication_seconds
 
 
+FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota"}
+
+
 def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware) -> GraphCost:
-    compute = sum(_op_seconds(graph, op, prop, mesh, hardware) for op in graph.ops)
+    materialized = _materialized(graph)
+    compute = sum(_op_seconds(graph, op, prop, mesh, hardware, materialized) for op in graph.ops)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     for c in prop.communication:
         p = math.prod(mesh[a] for a in c.axes)
@@ -49,11 +53,25 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
     return GraphCost(compute, comm, sent, peak_bytes(graph, prop, mesh))
 
 
-def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware) -> float:
+def _materialized(graph: Graph) -> set[int]:
+    """Values that reach memory: inputs, outputs, and whatever a non-fusible op makes or reads.
+    XLA fuses chains of elementwise ops (an optimizer update is one kernel), so the values passed
+    inside such a chain cost no memory traffic."""
+    out = set(graph.inputs) | {v for v in graph.outputs if v >= 0}
+    for op in graph.ops:
+        if op.primitive not in FUSIBLE:
+            out.update(v for v in op.operands + op.results if v >= 0)
+    return out
+
+
+def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, materialized: set[int]) -> float:
     axes = {a for assigned in prop.factor_axes[op.id].values() for a in assigned}
     shards = math.prod(mesh[a] for a in axes)
     flops = op.flops / shards
-    moved = sum(_device_bytes(graph, v, prop, mesh) for v in op.operands + op.results if v >= 0)
+    values = op.operands + op.results
+    if op.primitive in FUSIBLE:
+        values = tuple(v for v in values if v in materialized)
+    moved = sum(_device_bytes(graph, v, prop, mesh) for v in values if v >= 0)
     seconds = max(flops / hardware.peak_flops, moved / hardware.memory_bandwidth)
     if op.body is not None:  # loop bodies are not propagated into yet: priced unsharded
         seconds += op.trips * sum(max(o.flops / hardware.peak_flops, 0.0) for o in op.body.ops)

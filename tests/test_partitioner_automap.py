@@ -1,0 +1,98 @@
+"""The tactic search over the factor graph: Megatron recovered where weights are large, data
+parallelism where they are small, memory limits respected, experts considered; the chosen plan
+compiled on 8 fake devices does what the cost model predicted."""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from partitioner import PlanMemoryError, verify
+from partitioner.automap import search
+
+pytestmark = pytest.mark.fake_devices
+
+f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+
+def residual_mlp(d, f, layers, tokens):
+    """A train step (AdamW) of a stack of residual MLP blocks, as the transformer's MLP half."""
+    opt = optax.adamw(1e-3)
+
+    def init():
+        params = {f"layer{i}": {"w1": jnp.zeros((d, f)), "w2": jnp.zeros((f, d))} for i in range(layers)}
+        return {"params": params, "opt": opt.init(params)}
+
+    def loss(params, x):
+        for i in range(layers):
+            x = x + jax.nn.gelu(x @ params[f"layer{i}"]["w1"]) @ params[f"layer{i}"]["w2"]
+        return jnp.mean(x ** 2)
+
+    def step(state, x):
+        value, grads = jax.value_and_grad(loss)(state["params"], x)
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, value
+
+    return step, jax.eval_shape(init), f32(8, tokens // 8, d)
+
+
+def test_large_weights_on_8_h100_recover_megatron_column_then_row():
+    step, state, x = residual_mlp(8192, 32768, 2, 8192)
+    plan, ranked = search(step, state, x, devices=8, hardware="h100")
+    assert plan.mesh.get("model", 1) > 1, plan.notes
+    for i in range(2):
+        layer = plan.in_specs[0]["params"][f"layer{i}"]
+        assert layer["w1"] == P(None, "model") and layer["w2"] == P("model"), layer  # column, then row
+        mu = plan.in_specs[0]["opt"][0].mu[f"layer{i}"]
+        assert mu["w1"] == layer["w1"] and mu["w2"] == layer["w2"]  # optimizer state follows
+    tactics = {c.tactic for c in ranked}
+    assert {"dp", "fsdp", "megatron", "megatron+fsdp"} <= tactics
+    assert plan.notes[0].startswith("chosen: megatron")
+    dp = min((c for c in ranked if c.tactic == "dp"), key=lambda c: c.cost.total_seconds)
+    assert dp.cost.communication_seconds > ranked[0].cost.communication_seconds  # why: gradients outweigh activations
+
+
+def test_small_weights_and_many_tokens_pick_data_parallelism():
+    step, state, x = residual_mlp(256, 1024, 2, 65536)
+    plan, _ = search(step, state, x, devices=8, hardware="h100")
+    assert plan.mesh == {"data": 8}, plan.notes
+    assert plan.in_specs[1] == P("data") and plan.in_specs[0]["params"]["layer0"]["w1"] == P()
+
+
+def test_a_memory_limit_forces_sharded_weights_and_an_impossible_one_says_by_how_much():
+    step, state, x = residual_mlp(8192, 32768, 2, 8192)
+    replicated = 3 * 2 * 2 * 8192 * 32768 * 4  # params, mu, nu
+    plan, ranked = search(step, state, x, devices=8, hardware="h100", memory_limit=replicated // 3)
+    assert plan.cost.peak_bytes_per_device <= replicated // 3
+    assert all(c.cost.peak_bytes_per_device > replicated // 3 for c in ranked if c.tactic == "dp")
+    with pytest.raises(PlanMemoryError, match=r"no plan fits 0.50 GiB per device: the smallest needs .* GiB over"):
+        search(step, state, x, devices=8, hardware="h100", memory_limit=2**29)
+
+
+def test_stacked_expert_weights_are_considered_for_expert_parallelism():
+    experts, d, f, tokens = 8, 1024, 4096, 4096
+
+    def moe(w, x):  # tokens already routed: (experts, tokens per expert, d)
+        h = jax.nn.relu(jnp.einsum("etd,edf->etf", x, w["up"]))
+        return jnp.mean(jnp.einsum("etf,efd->etd", h, w["down"]) ** 2)
+
+    def step(w, x):
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, w, jax.grad(moe)(w, x))
+
+    w = {"up": f32(experts, d, f), "down": f32(experts, f, d)}
+    x = f32(experts, tokens // experts, d)
+    plan, ranked = search(step, w, x, devices=8, hardware="h100", batch_argnums=(1,))
+    expert = [c for c in ranked if c.tactic == "expert"]
+    assert expert, [c.tactic for c in ranked]
+    up = [v for v, s in expert[0].annotations.items() if s and s[0] == ("model",)]
+    assert len(up) >= 2  # both stacked weights split over experts
+
+
+def test_the_chosen_plan_compiles_to_the_predicted_collectives(devices8):
+    step, state, x = residual_mlp(1024, 4096, 2, 4096)
+    plan, _ = search(step, state, x, devices=8, hardware="h100")
+    v = verify(plan, step, state, x, hardware="h100")
+    predicted, compiled = plan.cost.collective_bytes, v.collective_bytes
+    total_p = sum(predicted.values())
+    total_c = sum(compiled.values())
+    assert total_p > 0 and total_c == pytest.approx(total_p, rel=0.10), (plan.notes[0], predicted, compiled)
