@@ -54,14 +54,18 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
 
 
 def _materialized(graph: Graph) -> set[int]:
-    """Values that reach memory: inputs, outputs, and whatever a non-fusible op makes or reads.
-    XLA fuses chains of elementwise ops (an optimizer update is one kernel), so the values passed
-    inside such a chain cost no memory traffic."""
+    """Values that reach memory: inputs, outputs, whatever a non-fusible op makes or reads, and
+    values read more than once. XLA fuses chains of elementwise ops (an optimizer update is one
+    kernel), so a value passed once inside such a chain costs no memory traffic or space."""
     out = set(graph.inputs) | {v for v in graph.outputs if v >= 0}
+    consumers: dict[int, int] = {}
     for op in graph.ops:
         if op.primitive not in FUSIBLE:
             out.update(v for v in op.operands + op.results if v >= 0)
-    return out
+        for v in op.operands:
+            consumers[v] = consumers.get(v, 0) + 1
+    # A value read by several ops (a forward activation the backward pass reads again) is kept.
+    return out | {v for v, n in consumers.items() if n > 1 and v >= 0}
 
 
 def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, materialized: set[int]) -> float:
@@ -92,27 +96,28 @@ def _device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
 
 
 def peak_bytes(graph: Graph, prop: Propagation, mesh) -> int:
-    """The most bytes live on one device at once, in program order: inputs until their last use
-    (outputs until the end), every other value from its op until its last use."""
+    """The most bytes live on one device at once, in program order: inputs and outputs until the
+    end (arguments belong to the caller unless donated, as XLA counts them), every other value that
+    reaches memory from its op until its last use."""
     last_use: dict[int, int] = {}
     for op in graph.ops:
         for v in op.operands:
             if v >= 0:
                 last_use[v] = op.id
     end = len(graph.ops)
-    for v in graph.outputs:
+    for v in list(graph.outputs) + list(graph.inputs):  # the caller owns the arguments (no donation)
         if v >= 0:
             last_use[v] = end
     for op in graph.ops:
         for v in op.results:
             last_use.setdefault(v, op.id)  # never used: gone right after it is made
-    frees: dict[int, int] = {}
-    for v, t in last_use.items():
-        frees[t] = frees.get(t, 0) + _device_bytes(graph, v, prop, mesh)
+    materialized = _materialized(graph)  # values inside a fused chain never occupy memory
+    frees = {t: sum(_device_bytes(graph, v, prop, mesh) for v, u in last_use.items() if u == t and v in materialized)
+             for t in set(last_use.values())}
     live = sum(_device_bytes(graph, v, prop, mesh) for v in set(graph.inputs))
     peak = live
     for op in graph.ops:
-        live += sum(_device_bytes(graph, v, prop, mesh) for v in op.results)
+        live += sum(_device_bytes(graph, v, prop, mesh) for v in op.results if v in materialized)
         peak = max(peak, live)
         live -= frees.get(op.id, 0)
     return peak

@@ -41,7 +41,7 @@ def test_megatron_mlp_compiles_to_the_one_all_reduce_the_factor_graph_predicts(d
     assert v.collective_bytes == {"all-reduce": predicted.collective_bytes["all-reduce"]}
     assert v.communication_seconds == pytest.approx(predicted.communication_seconds, rel=1e-6)
     assert v.flops == pytest.approx(2 * (8 * 64 * 64) * 2, rel=0.02)  # per device: two (8 x 64 x 64) matmuls
-    assert v.peak_bytes == pytest.approx(predicted.peak_bytes_per_device, rel=0.15)
+    assert v.peak_bytes == predicted.peak_bytes_per_device  # arguments + output + one temporary
     assert "all-reduce bytes" in v.table()
 
 

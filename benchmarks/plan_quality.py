@@ -1,0 +1,50 @@
+"""Plan quality as the compiler sees it: the tactic search's chosen plan for a few models on 8
+fake CPU devices, its predicted collectives and peak memory beside what XLA compiles, and how long
+the search took.
+
+    .venv/bin/python benchmarks/plan_quality.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    import jax
+
+    from partitioner import verify
+    from partitioner.automap import search
+    from tests.test_partitioner_automap import residual_mlp
+
+    rows = []
+    for name, (d, f, layers, tokens) in {
+        "mlp-small-weights": (256, 1024, 2, 65536),
+        "mlp-1k": (1024, 4096, 2, 4096),
+        "mlp-4k": (4096, 16384, 4, 8192),
+        "mlp-8k": (8192, 32768, 2, 8192),
+    }.items():
+        step, state, x = residual_mlp(d, f, layers, tokens)
+        t = time.perf_counter()
+        plan, ranked = search(step, state, x, devices=8, hardware="h100")
+        seconds = time.perf_counter() - t
+        v = verify(plan, step, state, x, hardware="h100")
+        predicted, compiled = sum(plan.cost.collective_bytes.values()), sum(v.collective_bytes.values())
+        rows.append({"model": name, "chosen": plan.notes[0].split()[1], "mesh": plan.mesh, "search_s": round(seconds, 3),
+                     "candidates": len(ranked), "predicted_collective_bytes": predicted, "compiled_collective_bytes": compiled,
+                     "bytes_ratio": round(compiled / predicted, 4) if predicted else None,
+                     "predicted_peak": plan.cost.peak_bytes_per_device, "compiled_peak": v.peak_bytes,
+                     "peak_ratio": round(v.peak_bytes / plan.cost.peak_bytes_per_device, 4)})
+        print(json.dumps(rows[-1]), flush=True)
+    del jax
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    main()
