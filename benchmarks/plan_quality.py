@@ -19,7 +19,7 @@ def main() -> None:
 
     from partitioner import verify
     from partitioner.automap import search
-    from tests.test_partitioner_automap import residual_mlp
+    from examples.residual_mlp import residual_mlp
 
     rows = []
     for name, (d, f, layers, tokens) in {

@@ -3,37 +3,16 @@ parallelism where they are small, memory limits respected, experts considered; t
 compiled on 8 fake devices does what the cost model predicted."""
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from partitioner import PlanMemoryError, verify
+from examples.residual_mlp import residual_mlp
 from partitioner.automap import search
 
 pytestmark = pytest.mark.fake_devices
 
 f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-
-
-def residual_mlp(d, f, layers, tokens):
-    """A train step (AdamW) of a stack of residual MLP blocks, as the transformer's MLP half."""
-    opt = optax.adamw(1e-3)
-
-    def init():
-        params = {f"layer{i}": {"w1": jnp.zeros((d, f)), "w2": jnp.zeros((f, d))} for i in range(layers)}
-        return {"params": params, "opt": opt.init(params)}
-
-    def loss(params, x):
-        for i in range(layers):
-            x = x + jax.nn.gelu(x @ params[f"layer{i}"]["w1"]) @ params[f"layer{i}"]["w2"]
-        return jnp.mean(x ** 2)
-
-    def step(state, x):
-        value, grads = jax.value_and_grad(loss)(state["params"], x)
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, value
-
-    return step, jax.eval_shape(init), f32(8, tokens // 8, d)
 
 
 def test_large_weights_on_8_h100_recover_megatron_column_then_row():
