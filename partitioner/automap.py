@@ -135,6 +135,8 @@ def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candid
             plans["expert"] = {**batch, **ep}
     out = []
     for name, annotations in plans.items():
+        if mesh["model"] > 1 and not any("model" in axes for sh in annotations.values() for axes in sh):
+            continue  # the tactic found nothing to split: the model axis would only repeat work
         annotations = _mirror_optimizer_state(inputs, annotations)
         prop = propagate(g, annotations, mesh)
         out.append(Candidate(name, dict(mesh), annotations, estimate(g, prop, mesh, hw), prop))

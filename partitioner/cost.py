@@ -37,6 +37,8 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
     materialized = _materialized(graph)
     compute = sum(_op_seconds(graph, op, prop, mesh, hardware, materialized) for op in graph.ops)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
+    off_path = _off_the_matmul_path(graph)
+    combined: dict[tuple, int] = {}
     for c in prop.communication:
         p = math.prod(mesh[a] for a in c.axes)
         if p == 1:
@@ -44,13 +46,34 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
         link = hardware.link(_span(c.axes, mesh))
         if c.kind == "all-reduce":
             nbytes = 2 * (p - 1) / p * c.bytes
-            comm += nbytes / link.bandwidth + 2 * (p - 1) * link.latency
             sent["all-reduce"] += int(nbytes)
+            if c.value in off_path:  # e.g. weight gradients: XLA combines them, latency is paid once
+                combined[c.axes] = combined.get(c.axes, 0) + int(nbytes)
+                comm += nbytes / link.bandwidth
+                continue
+            comm += nbytes / link.bandwidth + 2 * (p - 1) * link.latency
         else:
             nbytes = (p - 1) * c.bytes
             comm += nbytes / link.bandwidth + (p - 1) * link.latency
             sent["all-gather"] += int(nbytes)
+    for axes, nbytes in combined.items():
+        p = math.prod(mesh[a] for a in axes)
+        rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
+        comm += rounds * 2 * (p - 1) * hardware.link(_span(axes, mesh)).latency
     return GraphCost(compute, comm, sent, peak_bytes(graph, prop, mesh))
+
+
+COMBINE_BYTES = 32 << 20  # about what XLA's all-reduce combiner packs into one collective
+
+
+def _off_the_matmul_path(graph: Graph) -> set[int]:
+    """Values no matmul depends on (a weight gradient on its way to the optimizer): nothing waits
+    for their collectives, so independent ones are combined into few large ones."""
+    feeds: set[int] = set()
+    for op in reversed(graph.ops):
+        if op.primitive == "dot_general" or any(r in feeds for r in op.results):
+            feeds.update(v for v in op.operands if v >= 0)
+    return {v for op in graph.ops for v in op.results if v not in feeds}
 
 
 def _materialized(graph: Graph) -> set[int]:

@@ -1,0 +1,60 @@
+"""Golden plans per (model, devices, hardware): the tactic search's choice, diffed against JSON
+files in tests/golden/. A missing golden file fails; regenerate deliberately with
+`REMESH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_partitioner_golden.py` and review
+the diff."""
+import json
+import os
+
+import pytest
+
+from partitioner.automap import search
+
+pytestmark = pytest.mark.unit
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def gpt(d, heads, ff, vocab, seq, layers, batch):
+    from examples.gpt.model import GPTConfig, make_program
+    from orchestrator import check_program
+
+    program = make_program(GPTConfig(vocab=vocab, seq_len=seq, d_model=d, n_heads=heads, n_layers=layers, d_ff=ff, dropout=0.0))
+    state, batch_tree = check_program(program, batch)
+    return program.step, (state, batch_tree)
+
+
+def mlp(d, f, layers, tokens):
+    from examples.residual_mlp import residual_mlp
+
+    step, state, x = residual_mlp(d, f, layers, tokens)
+    return step, (state, x)
+
+
+MODELS = {
+    "gpt-d8192": lambda: gpt(8192, 64, 32768, 32768, 1024, 2, 8),
+    "gpt-example": lambda: gpt(128, 4, 512, 256, 64, 2, 24),
+    "mlp-small-weights": lambda: mlp(256, 1024, 2, 65536),
+    "mlp-d8192": lambda: mlp(8192, 32768, 2, 8192),
+}
+CASES = [("gpt-d8192", 8, "h100"), ("gpt-example", 8, "h100"), ("gpt-example", 6, "cpu"),
+         ("mlp-small-weights", 8, "h100"), ("mlp-d8192", 8, "h100"), ("mlp-d8192", 8, "tpu-v5e")]
+
+
+@pytest.mark.parametrize("model, devices, hardware", CASES, ids=lambda x: str(x))
+def test_plan_matches_its_golden_file(model, devices, hardware):
+    fn, args = MODELS[model]()
+    plan, _ = search(fn, *args, devices=devices, hardware=hardware)
+    doc = plan.to_dict()
+    got = {"mesh": doc["mesh"], "in_specs": doc["in_specs"], "chosen": plan.notes[0].split()[1]}
+    path = os.path.join(GOLDEN, f"{model}-{devices}-{hardware}.json")
+    if os.environ.get("REMESH_UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            json.dump(got, f, indent=1, sort_keys=True)
+    if not os.path.exists(path):
+        pytest.fail(f"golden plan {path} is missing: run with REMESH_UPDATE_GOLDEN=1 to write it, then review it")
+    with open(path) as f:
+        want = json.load(f)
+    assert got["chosen"] == want["chosen"] and got["mesh"] == want["mesh"], (got["chosen"], got["mesh"], plan.notes)
+    diff = {k: (got["in_specs"][i].get(k), v) for i, specs in enumerate(want["in_specs"]) for k, v in specs.items()
+            if got["in_specs"][i].get(k) != v}
+    assert not diff, f"{len(diff)} leaves changed sharding, e.g. {list(diff.items())[:3]}"
