@@ -436,6 +436,9 @@ def _gather(eqn, in_shapes, out_shapes):
     for out_d, idx_d in zip(batch_out, index_batch):
         factors.append(Factor(out[out_d], FactorKind.PASS))
         res_dims[out_d] = idx_dims[idx_d] = (len(factors) - 1,)
+    # Batched gathers (take_along_axis): those operand dims run alongside the indices' batch dims.
+    for op_d, idx_d in zip(getattr(dn, "operand_batching_dims", ()), getattr(dn, "start_indices_batching_dims", ())):
+        op_dims[op_d] = idx_dims[idx_d]
     for d in range(len(operand)):
         if not op_dims[d]:
             factors.append(Factor(operand[d], FactorKind.GATHER))
@@ -460,9 +463,14 @@ def _scatter(eqn, in_shapes, out_shapes):
             op_dims[op_d] = (len(factors) - 1,)
     scatter_upd = [d for d in range(len(updates)) if d not in dn.update_window_dims]
     idx_dims: list[tuple] = [()] * len(indices)
+    batching = dict(zip(getattr(dn, "scatter_indices_batching_dims", ()), getattr(dn, "operand_batching_dims", ())))
     for upd_d, idx_d in zip(scatter_upd, [d for d in range(len(indices)) if d != len(indices) - 1]):
-        factors.append(Factor(updates[upd_d], FactorKind.REDUCE))  # colliding indices add up
+        # Colliding indices add up (a reduction), except along batching dims, which never collide.
+        kind = FactorKind.PASS if idx_d in batching else FactorKind.REDUCE
+        factors.append(Factor(updates[upd_d], kind))
         upd_dims[upd_d] = idx_dims[idx_d] = (len(factors) - 1,)
+        if idx_d in batching:
+            op_dims[batching[idx_d]] = upd_dims[upd_d]
     for d in range(len(operand)):
         if not op_dims[d]:
             factors.append(Factor(operand[d], FactorKind.GATHER))
