@@ -13,7 +13,8 @@
     [checkpoint]
     dir = "checkpoints"            # relative to the job file
     every = 10
-    keep = 3                       # optional
+    keep = 3                       # optional: the newest committed checkpoints kept
+    keep_every = 1000              # optional: also keep every step divisible by this, forever
 
 Unknown keys and wrong types are errors that name the key.
 """
@@ -41,6 +42,7 @@ class CheckpointSpec:
     dir: str
     every: int
     keep: int = 3
+    keep_every: int = 0  # 0: none kept beyond the newest `keep`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ class JobSpec:
 _SCHEMA: dict[str, Any] = {
     "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"),
     "hosts": {"min": int, "max": int, "devices_per_host": int},
-    "checkpoint": {"dir": str, "every": int, "keep": (int, 3)},
+    "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0)},
 }
 
 
@@ -130,3 +132,4 @@ def _check_values(job: JobSpec, source: str) -> None:
     need(job.hosts.devices_per_host > 0, f"key hosts.devices_per_host must be positive, got {job.hosts.devices_per_host}")
     need(job.checkpoint.every > 0, f"key checkpoint.every must be positive, got {job.checkpoint.every}")
     need(job.checkpoint.keep > 0, f"key checkpoint.keep must be positive, got {job.checkpoint.keep}")
+    need(job.checkpoint.keep_every >= 0, f"key checkpoint.keep_every must be 0 (none) or positive, got {job.checkpoint.keep_every}")

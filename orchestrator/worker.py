@@ -128,7 +128,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    store = StoreConfig(keep_last=spec.checkpoint.keep).create(spec.checkpoint.dir)
+    store = StoreConfig(keep_last=spec.checkpoint.keep, keep_every=spec.checkpoint.keep_every or None).create(spec.checkpoint.dir)
     state, first = _restore_or_init(store, program, key, abstract_state, state_sh, spec, report)
 
     t = time.perf_counter()
