@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--hardware", default="h100")
     plan.add_argument("--level", default="fast", choices=("fast", "thorough"))
     plan.add_argument("--json", action="store_true")
+    plan.add_argument("--planner", default="first", choices=("first", "tactics"),
+                      help="first: data parallel or FSDP from shapes (the orchestrator's, for now); "
+                           "tactics: dp, fsdp, Megatron, experts searched over the program's factor graph")
+    plan.add_argument("--verify", action="store_true",
+                      help="also compile the plan (on N fake CPU devices unless N devices exist) and show what XLA does")
 
     ckpt = sub.add_parser("ckpt", help="list, inspect and verify checkpoints (remesh or plain Orbax)")
     ckpt.add_argument("action", choices=("ls", "inspect", "verify"))
@@ -77,12 +82,19 @@ def _print_summary(summary, path) -> None:
 def _plan(args) -> int:
     import importlib
 
+    if args.verify and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Before jax is imported: lets a machine without N accelerators compile the plan on CPU.
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     import partitioner
+    from partitioner.automap import search
 
     sys.path.insert(0, os.getcwd())
     module, _, attr = args.target.partition(":")
     fn, fargs = getattr(importlib.import_module(module), attr)()
-    p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=args.hardware, level=args.level)
+    if args.planner == "tactics":
+        p, _ = search(fn, *fargs, devices=args.devices, hardware=args.hardware)
+    else:
+        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=args.hardware, level=args.level)
     if args.json:
         print(p.to_json())
         return 0
@@ -95,6 +107,10 @@ def _plan(args) -> int:
     for n in p.notes:
         print(f"  note: {n}")
     print(f"  searched in {p.search_seconds:.3f} s")
+    if args.verify:
+        v = partitioner.verify(p, fn, *fargs, hardware=args.hardware)
+        print("compiled by XLA:")
+        print("\n".join("  " + line for line in v.table().splitlines()))
     return 0
 
 

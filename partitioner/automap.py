@@ -258,9 +258,15 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, fn, devices: int, seconds: 
     out_specs = jax.tree.map(lambda _: next(outs), out_abstract)
     c = best.cost
     cost = Cost(c.compute_seconds, c.communication_seconds, dict(c.collective_bytes), c.peak_bytes_per_device)
+    # Why: the best candidate of every other tactic, and the next best of the chosen one.
+    seen, runners = {best.tactic}, [r for r in ranked if r is not best and r.tactic == best.tactic][:1]
+    for r in ranked:
+        if r.tactic not in seen:
+            seen.add(r.tactic)
+            runners.append(r)
     notes = (f"chosen: {best.line()}",) + tuple(
         f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
-        for r in ranked if r is not best)[:5]
+        for r in sorted(runners, key=lambda r: r.cost.total_seconds))
     mesh = {k: v for k, v in best.mesh.items() if v > 1} or {"data": 1}
     return Plan(mesh=mesh, in_specs=in_specs, out_specs=out_specs, cost=cost, search_seconds=seconds,
                 devices=devices, notes=notes)

@@ -40,6 +40,13 @@ def test_plan_command_explains_its_choice(capsys):
     assert "mesh data=6 (6 of 7 devices)" in out and "does not divide by 7" in out and "all-reduce" in out
 
 
+def test_plan_with_tactics_recovers_megatron_and_verifies_it(capsys, devices8):
+    assert main(["plan", "examples.gpt.model:plan_target_large", "--devices", "8", "--planner", "tactics", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "note: chosen: megatron" in out and "note: runner-up: " in out
+    assert "compiled by XLA:" in out and "all-reduce bytes" in out
+
+
 def test_ckpt_ls_inspect_verify(tmp_path, capsys, devices8):
     import json
 
