@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cost import GraphCost, estimate
 from .hardware import Hardware, profile
-from .ir import FactorKind, Graph, capture
+from .ir import FactorKind, Graph, Repeat, capture, find_repeats
 from .plan import Cost, Plan
 from .propagate import Propagation, Sharding, propagate
 from .search import PlanInputError, PlanMemoryError, _batch_argnums
@@ -182,10 +182,21 @@ def _weights_in_order(inputs: _Inputs) -> list[tuple[Any, int, int]]:
 
 
 def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding]) -> dict[int, Sharding]:
+    """Decide weights in program order; a weight first used in a repeated layer (TAP: identical
+    blocks of ops, `find_repeats`) copies the decision made for the same position in the first
+    copy of that layer instead of propagating again, so the number of propagations does not grow
+    with depth."""
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
+    decided: dict[tuple[int, int], Sharding | None] = {}  # (op id, operand) in a first copy -> decision
+    repeats = [r for r in find_repeats(g) if r.period >= 8]
     prop = propagate(g, {**batch}, mesh)
     for op, k, w in _weights_in_order(inputs):
+        first = _first_copy(op.id, repeats)
+        if first is not None and (first, k) in decided:
+            if decided[(first, k)] is not None and g.values[w].shape == g.values[g.ops[first].operands[k]].shape:
+                chosen[w] = decided[(first, k)]
+            continue
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         x_sharding = prop.of(other, len(g.values[other].shape)) if other >= 0 else ()
@@ -198,11 +209,20 @@ def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Shardin
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
         shape = g.values[w].shape
         dims = [d for d in dims if shape[d] % t == 0]
+        decided[(op.id, k)] = tuple(("model",) if i == dims[-1] else () for i in range(len(shape))) if dims else None
         if not dims:
             continue
-        chosen[w] = tuple(("model",) if i == dims[-1] else () for i in range(len(shape)))
+        chosen[w] = decided[(op.id, k)]
         prop = propagate(g, {**batch, **chosen}, mesh)
     return chosen
+
+
+def _first_copy(op_id: int, repeats: list[Repeat]) -> int | None:
+    """The op at the same position in the first copy of the repeated block `op_id` lies in."""
+    for r in repeats:
+        if r.start + r.period <= op_id < r.stop:
+            return r.start + (op_id - r.start) % r.period
+    return None
 
 
 def _experts(inputs: _Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:

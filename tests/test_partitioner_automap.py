@@ -75,3 +75,16 @@ def test_the_chosen_plan_compiles_to_the_predicted_collectives(devices8):
     total_p = sum(predicted.values())
     total_c = sum(compiled.values())
     assert total_p > 0 and total_c == pytest.approx(total_p, rel=0.10), (plan.notes[0], predicted, compiled)
+
+
+def test_repeated_layers_copy_the_first_layers_decisions():
+    from examples.gpt.model import GPTConfig, make_program
+    from orchestrator import check_program
+
+    program = make_program(GPTConfig(vocab=32768, seq_len=1024, d_model=8192, n_heads=64, n_layers=4, d_ff=32768, dropout=0.0))
+    state, batch = check_program(program, 8)
+    plan, _ = search(program.step, state, batch, devices=8, hardware="h100")
+    layers = plan.in_specs[0]["params"]["layers"]
+    for layer in layers:  # layers 1-3 took layer 0's decisions without propagating again
+        assert (layer["attn"]["wq"], layer["attn"]["wo"], layer["mlp"]["w1"], layer["mlp"]["w2"]) == \
+            (P(None, "model"), P("model"), P(None, "model"), P("model")), layer
