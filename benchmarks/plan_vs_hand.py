@@ -1,0 +1,95 @@
+"""The tactic search's plan against hand-written expert plans, all measured by the compiler.
+
+    .venv/bin/python benchmarks/plan_vs_hand.py
+
+For each model, on 8 fake CPU devices: the searched plan and three hand-written ones (data
+parallel on 8; FSDP on 8, every leaf split on its largest dimension that divides; Megatron TP x DP
+on data=2 x model=4 with the classic column/row split by parameter name) are compiled with
+`partitioner.verify`, and each is priced the same way from what XLA produced: XLA's FLOPs at the
+h100 profile's peak plus the collectives XLA inserted, priced alpha-beta. Peak memory is XLA's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMN = ("wq", "wk", "wv", "w1")
+ROW = ("wo", "w2")
+
+
+def hand_plans(fn, args):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from partitioner import Cost, Plan
+
+    state, batch = args
+    zero = Cost(0.0, 0.0, {}, 0)
+    metrics = jax.eval_shape(fn, *args)[1]
+
+    def specs(rule):
+        state_specs = jax.tree_util.tree_map_with_path(lambda path, x: rule(jax.tree_util.keystr(path), x.shape), state)
+        batch_specs = jax.tree.map(lambda x: P("data"), batch)
+        return (state_specs, batch_specs), (state_specs, jax.tree.map(lambda _: P(), metrics))
+
+    def fsdp(path, shape):
+        dims = [i for i, d in enumerate(shape) if d % 8 == 0]
+        if not dims:
+            return P()
+        i = max(dims, key=lambda k: shape[k])
+        return P(*[("data" if k == i else None) for k in range(len(shape))])
+
+    def megatron(path, shape):
+        name = path.rstrip("']").split("'")[-1]
+        if name in COLUMN and len(shape) == 2 and shape[1] % 4 == 0:
+            return P(None, "model")
+        if name in ROW and len(shape) == 2 and shape[0] % 4 == 0:
+            return P("model")
+        if name == "b1" and shape[0] % 4 == 0:
+            return P("model")
+        return P()
+
+    out = {}
+    for name, mesh, rule in (("hand dp", {"data": 8}, lambda p, s: P()), ("hand fsdp", {"data": 8}, fsdp),
+                             ("hand megatron", {"data": 2, "model": 4}, megatron)):
+        ins, outs = specs(rule)
+        out[name] = Plan(mesh=mesh, in_specs=ins, out_specs=outs, cost=zero, search_seconds=0.0, devices=8)
+    return out
+
+
+def main() -> None:
+    from partitioner import verify
+    from partitioner.automap import search
+    from partitioner.hardware import profile
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from plan_quality import _gpt, _mlp  # the same model builders
+    from examples.residual_mlp import residual_mlp
+
+    hw = profile("h100")
+    models = {"mlp-small-weights": lambda: _mlp(residual_mlp, 256, 1024, 2, 65536),
+              "mlp-4k": lambda: _mlp(residual_mlp, 4096, 16384, 4, 8192),
+              "gpt-example": lambda: _gpt(128, 4, 512, 256, 64, 2, 24),
+              "gpt-d8192": lambda: _gpt(8192, 64, 32768, 32768, 1024, 2, 8)}
+    for name, make in models.items():
+        fn, args = make()
+        searched, _ = search(fn, *args, devices=8, hardware="h100")
+        plans = {"searched (" + searched.notes[0].split()[1] + ")": searched, **hand_plans(fn, args)}
+        row = {"model": name}
+        for label, plan in plans.items():
+            v = verify(plan, fn, *args, hardware="h100")
+            row[label] = {"seconds": v.compute_seconds + v.communication_seconds, "compute_s": v.compute_seconds,
+                          "comm_s": v.communication_seconds, "peak_bytes": v.peak_bytes, "fits": v.peak_bytes <= hw.memory_bytes}
+        hand = [v["seconds"] for k, v in row.items() if k.startswith("hand") and v["fits"]]
+        mine = next(v for k, v in row.items() if k.startswith("searched"))
+        row["searched_over_best_hand"] = mine["seconds"] / min(hand) if hand else None
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    main()
