@@ -28,6 +28,7 @@ def main() -> None:
         "4k": (4096, 16384, 4, 8192), "8k": (8192, 32768, 2, 8192)}.items()}
     models["gpt-example"] = lambda: _gpt(128, 4, 512, 256, 64, 2, 24)
     models["gpt-d8192"] = lambda: _gpt(8192, 64, 32768, 32768, 1024, 2, 8)
+    models["llama-gqa-swiglu"] = _llama
     for name, make in models.items():
         step, args = make()
         t = time.perf_counter()
@@ -47,6 +48,12 @@ def main() -> None:
 def _mlp(residual_mlp, d, f, layers, tokens):
     step, state, x = residual_mlp(d, f, layers, tokens)
     return step, (state, x)
+
+
+def _llama():
+    from examples.llama import llama
+
+    return llama()  # d 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocab 32000, 2 layers, batch 8 x 1024
 
 
 def _gpt(d, heads, ff, vocab, seq, layers, batch):

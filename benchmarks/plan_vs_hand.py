@@ -15,8 +15,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COLUMN = ("wq", "wk", "wv", "w1")
-ROW = ("wo", "w2")
+COLUMN = ("wq", "wk", "wv", "w1", "w_gate", "w_up")
+ROW = ("wo", "w2", "w_down")
 
 
 def hand_plans(fn, args):
@@ -65,14 +65,15 @@ def main() -> None:
     from partitioner.hardware import profile
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from plan_quality import _gpt, _mlp  # the same model builders
+    from plan_quality import _gpt, _llama, _mlp  # the same model builders
     from examples.residual_mlp import residual_mlp
 
     hw = profile("h100")
     models = {"mlp-small-weights": lambda: _mlp(residual_mlp, 256, 1024, 2, 65536),
               "mlp-4k": lambda: _mlp(residual_mlp, 4096, 16384, 4, 8192),
               "gpt-example": lambda: _gpt(128, 4, 512, 256, 64, 2, 24),
-              "gpt-d8192": lambda: _gpt(8192, 64, 32768, 32768, 1024, 2, 8)}
+              "gpt-d8192": lambda: _gpt(8192, 64, 32768, 32768, 1024, 2, 8),
+              "llama-gqa-swiglu": _llama}
     for name, make in models.items():
         fn, args = make()
         searched, _ = search(fn, *args, devices=8, hardware="h100")

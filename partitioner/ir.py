@@ -478,6 +478,24 @@ def _scatter(eqn, in_shapes, out_shapes):
     return factors, [tuple(op_dims), tuple(idx_dims), tuple(upd_dims)], [tuple(op_dims)], math.prod(updates)
 
 
+def _stack(eqn, in_shapes, out_shapes):
+    """stack[axis]: operands' dims pass through; the new axis (one slot per operand) is opaque."""
+    axis = eqn.params["axis"]
+    factors: list[Factor] = []
+    op = _own(in_shapes[0], factors)
+    new = _own((out_shapes[0][axis],), factors, FactorKind.OPAQUE)[0]
+    res = op[:axis] + (new,) + op[axis:]
+    return factors, [op for _ in in_shapes], [res], 0.0
+
+
+def _unstack(eqn, in_shapes, out_shapes):
+    axis = eqn.params["axis"]
+    factors: list[Factor] = []
+    res = _own(out_shapes[0], factors)
+    new = _own((in_shapes[0][axis],), factors, FactorKind.OPAQUE)[0]
+    return factors, [res[:axis] + (new,) + res[axis:]], [res for _ in out_shapes], 0.0
+
+
 def _fresh(eqn, in_shapes, out_shapes):
     """iota, random bits from a key, ...: results are made here, their dims are free."""
     factors: list[Factor] = []
@@ -499,6 +517,7 @@ RULES = {
     "concatenate": _along_axis(FactorKind.OPAQUE, "dimension"),
     "slice": _same_where_unchanged, "pad": _same_where_unchanged, "rev": _same_where_unchanged,
     "dynamic_slice": _same_where_unchanged, "dynamic_update_slice": _same_where_unchanged,
+    "stack": _stack, "unstack": _unstack,
     "gather": _gather,
     "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
     "iota": _fresh, "random_bits": _fresh, "random_split": _fresh, "random_seed": _fresh, "rng_bit_generator": _fresh,

@@ -30,13 +30,20 @@ def mlp(d, f, layers, tokens):
     return step, (state, x)
 
 
+def llama():
+    from examples.llama import llama as build
+
+    return build()
+
+
 MODELS = {
+    "llama-gqa-swiglu": llama,
     "gpt-d8192": lambda: gpt(8192, 64, 32768, 32768, 1024, 2, 8),
     "gpt-example": lambda: gpt(128, 4, 512, 256, 64, 2, 24),
     "mlp-small-weights": lambda: mlp(256, 1024, 2, 65536),
     "mlp-d8192": lambda: mlp(8192, 32768, 2, 8192),
 }
-CASES = [("gpt-d8192", 8, "h100"), ("gpt-example", 8, "h100"), ("gpt-example", 6, "cpu"),
+CASES = [("llama-gqa-swiglu", 8, "h100"), ("gpt-d8192", 8, "h100"), ("gpt-example", 8, "h100"), ("gpt-example", 6, "cpu"),
          ("mlp-small-weights", 8, "h100"), ("mlp-d8192", 8, "h100"), ("mlp-d8192", 8, "tpu-v5e")]
 
 

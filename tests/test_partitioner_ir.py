@@ -117,3 +117,12 @@ def test_the_example_gpt_step_is_captured_whole_and_its_flops_match_xla():
     assert g.flops("dot_general") > 0.9 * g.flops()
     repeats = [r for r in find_repeats(g) if r.period > 50]
     assert [r.count for r in repeats] == [2, 2]  # two layers, forward and backward
+
+
+def test_a_llama_style_step_is_captured_whole():
+    from examples.llama import llama
+
+    fn, args = llama(d=256, heads=8, kv_heads=2, ff=512, vocab=512, layers=2, batch=2, seq=16)
+    g = capture(fn, *args)
+    assert g.unknown == {}  # RMSNorm, rotary embeddings (stack/unstack), grouped-query repeat, SwiGLU
+    assert len([op for op in g.ops if op.primitive == "dot_general"]) >= 2 * 9 * 3 // 2
