@@ -135,8 +135,10 @@ def peak_bytes(graph: Graph, prop: Propagation, mesh) -> int:
         for v in op.results:
             last_use.setdefault(v, op.id)  # never used: gone right after it is made
     materialized = _materialized(graph)  # values inside a fused chain never occupy memory
-    frees = {t: sum(_device_bytes(graph, v, prop, mesh) for v, u in last_use.items() if u == t and v in materialized)
-             for t in set(last_use.values())}
+    frees: dict[int, int] = {}
+    for v, t in last_use.items():
+        if v in materialized:
+            frees[t] = frees.get(t, 0) + _device_bytes(graph, v, prop, mesh)
     live = sum(_device_bytes(graph, v, prop, mesh) for v in set(graph.inputs))
     peak = live
     for op in graph.ops:

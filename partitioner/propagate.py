@@ -53,11 +53,21 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
     shardings: dict[int, Sharding] = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
     fixed = set(shardings)
     factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
+    touching: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for v in op.operands + op.results:
+            if v >= 0:
+                touching.setdefault(v, []).append(op.id)
+    dirty = {op.id for op in graph.ops}
     for sweep in range(max_sweeps):
-        changed = False
-        order = graph.ops if sweep % 2 == 0 else list(reversed(graph.ops))
+        order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
+        changed: set[int] = set()
         for op in order:
-            changed |= _step(graph, op, shardings, fixed, factor_axes[op.id], mesh, forward=sweep % 2 == 0)
+            if op.id in dirty:
+                dirty.discard(op.id)
+                for v in _step(graph, op, shardings, fixed, factor_axes[op.id], mesh, forward=sweep % 2 == 0):
+                    changed.add(v)
+                    dirty.update(touching[v])  # only ops that see a changed value can change anything
         if not changed:
             break
     return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
@@ -69,7 +79,7 @@ def _sides(op: Op, forward: bool):
     return operands + results if forward else results + operands
 
 
-def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward: bool) -> bool:
+def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward: bool) -> list[int]:
     for value, dims in _sides(op, forward):
         if value < 0 or value not in shardings:
             continue
@@ -77,7 +87,7 @@ def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward:
             if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
                 if not any(set(axes) & set(a) for a in assigned.values()):
                     assigned[factors[0]] = tuple(axes)
-    changed = False
+    changed = []
     for value, dims in _sides(op, forward):
         if value < 0 or value in fixed:
             continue
@@ -98,7 +108,7 @@ def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward:
                 used |= set(axes)
         if tuple(proposed) != current:
             shardings[value] = tuple(proposed)
-            changed = True
+            changed.append(value)
     return changed
 
 
