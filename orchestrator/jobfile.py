@@ -6,6 +6,7 @@
     global_batch = 24
     seed = 0                       # optional
     hardware = "cpu"               # optional: the profile plans are priced with (h100, tpu-v5p, ...)
+    planner = "first"              # optional: "first" (dp/fsdp from shapes) or "tactics" (factor-graph search)
     [hosts]
     min = 2
     max = 4
@@ -55,13 +56,16 @@ class JobSpec:
     checkpoint: CheckpointSpec
     seed: int = 0
     hardware: str = "cpu"
+    planner: str = "first"
 
     def with_checkpoint_dir(self, path: str) -> "JobSpec":
         return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))
 
 
+PLANNERS = ("first", "tactics")
+
 _SCHEMA: dict[str, Any] = {
-    "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"),
+    "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"), "planner": (str, "first"),
     "hosts": {"min": int, "max": int, "devices_per_host": int},
     "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0)},
 }
@@ -86,7 +90,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
     ckpt["dir"] = os.path.normpath(os.path.join(base_dir, ckpt["dir"]))
     job = JobSpec(
         name=values["name"], program=values["program"], steps=values["steps"],
-        global_batch=values["global_batch"], seed=values["seed"], hardware=values["hardware"], hosts=hosts,
+        global_batch=values["global_batch"], seed=values["seed"], hardware=values["hardware"], planner=values["planner"], hosts=hosts,
         checkpoint=CheckpointSpec(**ckpt),
     )
     _check_values(job, source)
@@ -127,6 +131,7 @@ def _check_values(job: JobSpec, source: str) -> None:
             raise JobFileError(f"{source}: {msg}")
     need(":" in job.program and all(job.program.split(":", 1)), f"key program must look like 'module:attribute', got {job.program!r}")
     need(job.steps > 0, f"key steps must be positive, got {job.steps}")
+    need(job.planner in PLANNERS, f"key planner must be one of {PLANNERS}, got {job.planner!r}")
     need(job.global_batch > 0, f"key global_batch must be positive, got {job.global_batch}")
     need(1 <= job.hosts.min <= job.hosts.max, f"keys hosts.min and hosts.max need 1 <= min <= max, got min={job.hosts.min} max={job.hosts.max}")
     need(job.hosts.devices_per_host > 0, f"key hosts.devices_per_host must be positive, got {job.hosts.devices_per_host}")

@@ -28,6 +28,10 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
     fingerprint = program_fingerprint(job.program, state, batch)
 
     def planner(devices: int):
+        if job.planner == "tactics":
+            from partitioner.automap import search
+
+            return search(program.step, state, batch, devices=devices, hardware=job.hardware)[0]
         return partitioner.plan(program.step, state, batch, devices=devices, hardware=job.hardware)
 
     config = config or ControllerConfig()

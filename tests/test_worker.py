@@ -15,11 +15,15 @@ from orchestrator.worker import SegmentSpec, run_segment
 pytestmark = pytest.mark.fake_devices
 
 
-def spec(tmp_path, devices, steps):
+def spec(tmp_path, devices, steps, planner="first"):
     from examples.gpt.model import program
+    from partitioner.automap import search
 
     state, batch = check_program(program, 24)
-    plan = partitioner.plan(program.step, state, batch, devices=devices, hardware="cpu")
+    if planner == "tactics":
+        plan = search(program.step, state, batch, devices=devices, hardware="cpu")[0]
+    else:
+        plan = partitioner.plan(program.step, state, batch, devices=devices, hardware="cpu")
     return SegmentSpec(program="examples.gpt.model:program", steps=steps, global_batch=24, seed=0,
                        checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2), plan_json=plan.to_json(),
                        coordinator="", num_processes=1, process_id=0)
@@ -34,6 +38,21 @@ def test_resumes_on_another_mesh_at_the_saved_data_position(tmp_path, devices8):
     restore = next(r for r in second if r["kind"] == "restore")
     assert restore["step"] == 10 and restore["digest"] == restore["saved_digest"]
     assert [r["step"] for r in second if r["kind"] == "step"] == [11, 12]
+
+
+def test_a_tactics_plan_trains_and_resumes_on_another_plan(tmp_path, devices8):
+    """The factor-graph search's plans through the worker: Megatron x DP on 8 devices, then data
+    parallel on 6, resuming bitwise at the saved data position."""
+    first, second = [], []
+    tp = spec(tmp_path, 8, 10, planner="tactics")
+    assert "model" in partitioner.Plan.from_json(tp.plan_json).mesh  # a tensor-parallel plan
+    run_segment(tp, first.append)
+    dp = spec(tmp_path, 6, 12, planner="tactics")
+    run_segment(dp, second.append)
+    restore = next(r for r in second if r["kind"] == "restore")
+    assert restore["step"] == 10 and restore["digest"] == restore["saved_digest"]
+    losses = [r["loss"] for r in first + second if r["kind"] == "step"]
+    assert len(losses) == 12 and losses[-1] < losses[0]
 
 
 def damage_a_chunk(step_dir):
