@@ -20,7 +20,6 @@ This is the search's first level: a handful of propagations per mesh. It is not 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Mapping, Sequence
 

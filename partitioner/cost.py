@@ -101,7 +101,7 @@ def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, m
     moved = sum(_device_bytes(graph, v, prop, mesh) for v in values if v >= 0)
     seconds = max(flops / hardware.peak_flops, moved / hardware.memory_bandwidth)
     if op.body is not None:  # loop bodies are not propagated into yet: priced unsharded
-        seconds += op.trips * sum(max(o.flops / hardware.peak_flops, 0.0) for o in op.body.ops)
+        seconds += op.trips * sum(o.flops for o in op.body.ops) / hardware.peak_flops
     return seconds
 
 

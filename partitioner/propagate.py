@@ -101,8 +101,6 @@ def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward:
             if proposed[d] or not factors or factors[0] not in assigned:
                 continue
             axes = assigned[factors[0]]
-            if op.factors[factors[0]].kind is FactorKind.REDUCE and value in op.results:
-                continue
             if not used & set(axes) and _fits(graph.values[value].shape[d], axes, mesh):
                 proposed[d] = axes
                 used |= set(axes)

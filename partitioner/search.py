@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np

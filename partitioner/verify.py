@@ -14,7 +14,6 @@ import re
 from typing import Any, Mapping
 
 import jax
-import numpy as np
 
 from .hardware import Hardware, profile
 from .plan import Plan

@@ -2,7 +2,6 @@
 layers, and FLOPs checked against XLA's own cost analysis."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from partitioner.ir import FactorKind, capture, find_repeats
