@@ -16,20 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    import jax
-
+    from examples.targets import TARGETS
     from partitioner import verify
     from partitioner.automap import search
-    from examples.residual_mlp import residual_mlp
 
     rows = []
-    models = {f"mlp-{name}": (lambda dims=dims: _mlp(residual_mlp, *dims)) for name, dims in {
-        "small-weights": (256, 1024, 2, 65536), "1k": (1024, 4096, 2, 4096),
-        "4k": (4096, 16384, 4, 8192), "8k": (8192, 32768, 2, 8192)}.items()}
-    models["gpt-example"] = lambda: _gpt(128, 4, 512, 256, 64, 2, 24)
-    models["gpt-d8192"] = lambda: _gpt(8192, 64, 32768, 32768, 1024, 2, 8)
-    models["llama-gqa-swiglu"] = _llama
-    for name, make in models.items():
+    for name, make in TARGETS.items():
         step, args = make()
         t = time.perf_counter()
         plan, ranked = search(step, *args, devices=8, hardware="h100")
@@ -42,26 +34,6 @@ def main() -> None:
                      "predicted_peak": plan.cost.peak_bytes_per_device, "compiled_peak": v.peak_bytes,
                      "peak_ratio": round(v.peak_bytes / plan.cost.peak_bytes_per_device, 4)})
         print(json.dumps(rows[-1]), flush=True)
-    del jax
-
-
-def _mlp(residual_mlp, d, f, layers, tokens):
-    step, state, x = residual_mlp(d, f, layers, tokens)
-    return step, (state, x)
-
-
-def _llama():
-    from examples.llama import llama
-
-    return llama()  # d 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocab 32000, 2 layers, batch 8 x 1024
-
-
-def _gpt(d, heads, ff, vocab, seq, layers, batch):
-    from examples.gpt.model import GPTConfig, make_program
-    from orchestrator import check_program
-
-    program = make_program(GPTConfig(vocab=vocab, seq_len=seq, d_model=d, n_heads=heads, n_layers=layers, d_ff=ff, dropout=0.0))
-    return program.step, check_program(program, batch)
 
 
 if __name__ == "__main__":

@@ -60,20 +60,13 @@ def hand_plans(fn, args):
 
 
 def main() -> None:
+    from examples.targets import TARGETS
     from partitioner import verify
     from partitioner.automap import search
     from partitioner.hardware import profile
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from plan_quality import _gpt, _llama, _mlp  # the same model builders
-    from examples.residual_mlp import residual_mlp
-
     hw = profile("h100")
-    models = {"mlp-small-weights": lambda: _mlp(residual_mlp, 256, 1024, 2, 65536),
-              "mlp-4k": lambda: _mlp(residual_mlp, 4096, 16384, 4, 8192),
-              "gpt-example": lambda: _gpt(128, 4, 512, 256, 64, 2, 24),
-              "gpt-d8192": lambda: _gpt(8192, 64, 32768, 32768, 1024, 2, 8),
-              "llama-gqa-swiglu": _llama}
+    models = {name: TARGETS[name] for name in ("mlp-small-weights", "mlp-4k", "gpt-example", "gpt-d8192", "llama-gqa-swiglu")}
     for name, make in models.items():
         fn, args = make()
         searched, _ = search(fn, *args, devices=8, hardware="h100")

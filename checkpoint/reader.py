@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from . import layout
 from .errors import CheckpointCorruptError, CheckpointTargetError
-from .sources import LeafInfo, corrupt_error
+from .sources import LeafInfo, corrupt_error, is_data_loss
 
 
 class Cast(enum.Enum):
@@ -80,6 +80,7 @@ class RestoreStats:
     leaves: int
     bytes_needed: int  # saved bytes of the unique boxes this process's devices hold
     bytes_read: int  # bytes TensorStore read from files (data, indexes, metadata)
+    meta: dict = dataclasses.field(default_factory=dict)  # what the step recorded: data position, seed, ...
 
     @property
     def read_amplification(self) -> float:
@@ -127,7 +128,7 @@ def restore(step, target: Any, *, include: Sequence[str] | None = None, cast: Ca
     values, needed = _read_all(step, [r for r in reads if r is not None], budget_bytes)
     it = iter(values)
     out = [leaf if r is None else next(it) for (_, leaf), r in zip(flat, reads)]
-    stats = RestoreStats(step.step, time.perf_counter() - t0, len(values), needed, _bytes_read() - read0)
+    stats = RestoreStats(step.step, time.perf_counter() - t0, len(values), needed, _bytes_read() - read0, dict(step.meta))
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
 
@@ -263,9 +264,9 @@ def _read_all(step, reads: list[_LeafRead], budget_bytes: int | None) -> tuple[l
         try:
             data = finish()
         except ValueError as e:
-            if "DATA_LOSS" in str(e) or "checksum" in str(e).lower():
+            if is_data_loss(e):
                 raise corrupt_error(step, r.sources[0], e) from None
-            raise
+            raise  # anything else is not the checkpoint's fault: never a reason to fall back
         data = data if data.dtype == r.dtype else data.astype(r.dtype)
         placed[n].update(_place(data, devices))
         del data

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import json
 import os
 import re
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
@@ -180,6 +182,11 @@ def _orbax_json_meta(step_dir: str) -> dict:
     return dict(doc.get("meta", {})) if isinstance(doc, dict) else {}
 
 
+def is_data_loss(exc: BaseException) -> bool:
+    """TensorStore's word for bytes that fail their checksum or cannot be decoded."""
+    return "DATA_LOSS" in str(exc)
+
+
 def corrupt_error(step, info: LeafInfo, exc: BaseException) -> CheckpointCorruptError:
     """TensorStore names the file and the inner chunk; say which leaf, step and chunk that is."""
     text = str(exc)
@@ -198,15 +205,11 @@ def corrupt_error(step, info: LeafInfo, exc: BaseException) -> CheckpointCorrupt
 
 
 def _dtype(name: str) -> np.dtype:
-    import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
-
-    return np.dtype(getattr(ml_dtypes, name, name))
+    return np.dtype(getattr(ml_dtypes, name, name))  # bfloat16 and friends are ml_dtypes types
 
 
 def _grid(shape: tuple[int, ...], shard: tuple[int, ...]) -> list[layout.Box]:
     if not shape:
         return [()]
-    import itertools
-
     ranges = [range(0, d, s) for d, s in zip(shape, shard)]
     return [tuple(slice(o, min(o + s, d)) for o, s, d in zip(origin, shard, shape)) for origin in itertools.product(*ranges)]

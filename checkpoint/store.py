@@ -60,7 +60,7 @@ class Store:
         self.last_restore: RestoreStats | None = None
         self._sequence = 0
         self._nonce: str | None = None
-        self._writer = writer.Writer(self.path, on_commit=self._after_commit, commit_timeout_s=config.commit_timeout_s)
+        self._writer = writer.Writer(on_commit=self._after_commit, commit_timeout_s=config.commit_timeout_s)
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, plan=None, meta: Mapping | None = None) -> None:
@@ -176,7 +176,8 @@ class Store:
                 try:
                     checked += arr[box].read().result().nbytes
                 except ValueError as e:
-                    problems.append(str(sources.corrupt_error(src, info, e)))
+                    problems.append(str(sources.corrupt_error(src, info, e)) if sources.is_data_loss(e)
+                                    else f"leaf {path}: could not be read: {e}")
         return VerifyReport(src.step, src.kind, not problems, problems, checked, time.perf_counter() - t)
 
     def quarantine(self, step: int) -> str:
@@ -214,6 +215,3 @@ def _remove(step_dir: str) -> None:
     doomed = step_dir + layout.DELETING
     os.rename(step_dir, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
-
-
-

@@ -86,8 +86,7 @@ class Job:
 class Writer:
     """Runs one save at a time in a background thread; `wait` re-raises its failure."""
 
-    def __init__(self, root: str, *, on_commit: Callable[[int], None], commit_timeout_s: float):
-        self.root = root
+    def __init__(self, *, on_commit: Callable[[int], None], commit_timeout_s: float):
         self._on_commit = on_commit
         self._timeout_ms = int(commit_timeout_s * 1000)
         self._thread: threading.Thread | None = None

@@ -174,7 +174,8 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
     for step in reversed(committed):
         t = time.perf_counter()
         try:
-            state, meta = store.restore(step, target=target), store.metadata(step)["meta"]
+            state = store.restore(step, target=target)
+            meta = store.last_restore.meta
             event = _check_digest(state, meta, step, spec)
             error = None
         except (CheckpointCorruptError, CheckpointFormatError, RestoredStateMismatchError) as e:

@@ -53,7 +53,7 @@ class Candidate:
 class _Inputs:
     graph: Graph
     ids: list[int]  # value id per argument leaf
-    paths: list[str]
+    keys: list[tuple[str, ...]]  # each leaf's key path inside its argument
     argnum: list[int]
     batch_argnums: tuple[int, ...]
 
@@ -80,22 +80,29 @@ def search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_li
             f"({least.tactic} on {dict(least.mesh)}), {(least.cost.peak_bytes_per_device - limit) / 2**30:.2f} GiB over. "
             "Use more devices, a smaller batch, or a larger memory_limit")
     best = fitting[0]
-    plan = _to_plan(inputs, best, args, fn, devices, time.perf_counter() - t0, ranked, limit)
+    plan = _to_plan(inputs, best, args, devices, time.perf_counter() - t0, ranked, limit)
     return plan, ranked
 
 
 def _inputs(fn, args, batch_argnums) -> _Inputs:
     abstract = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), a) for a in args)
-    graph = capture(fn, *abstract)
+    graph = capture(fn, *abstract)  # the only trace of fn: its output shapes come with the graph
     if batch_argnums is None:
-        batch_argnums = _batch_argnums(abstract, jax.eval_shape(fn, *abstract))
-    argnum, paths = [], []
+        batch_argnums = _batch_argnums(abstract, graph.out_shape)
+    argnum, keys = [], []
     for i, a in enumerate(abstract):
         for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
             argnum.append(i)
-            paths.append(jax.tree_util.keystr(p))
-    consts = len(graph.inputs) - len(paths)
-    return _Inputs(graph, graph.inputs[consts:], paths, argnum, tuple(batch_argnums))
+            keys.append(tuple(_key_name(k) for k in p))
+    consts = len(graph.inputs) - len(keys)
+    return _Inputs(graph, graph.inputs[consts:], keys, argnum, tuple(batch_argnums))
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
 
 
 def _meshes(devices: int, inputs: _Inputs) -> list[dict[str, int]]:
@@ -241,40 +248,27 @@ def _experts(inputs: _Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
 
 def _mirror_optimizer_state(inputs: _Inputs, annotations: Mapping[int, Sharding]) -> dict[int, Sharding]:
     """A state leaf with the same shape as an annotated one and the same path below its container
-    (`['opt'][0]['mu']['w1']` mirrors `['params']['w1']`) gets the same sharding."""
+    (`opt/0/mu/layer0/w1` mirrors `params/layer0/w1`) gets the same sharding."""
     g = inputs.graph
     out = dict(annotations)
-    by_tail: dict[tuple, Sharding] = {}
-    for v, path in zip(inputs.ids, inputs.paths):
-        if v in annotations:
-            by_tail[(g.values[v].shape, _tail(path))] = annotations[v]
-    for v, path, a in zip(inputs.ids, inputs.paths, inputs.argnum):
-        if v not in out and a not in inputs.batch_argnums:
-            for n in range(len(_keys(path)), 0, -1):
-                hit = by_tail.get((g.values[v].shape, tuple(_keys(path)[-n:])))
-                if hit is not None:
-                    out[v] = hit
-                    break
+    below: dict[tuple, Sharding] = {(g.values[v].shape, keys[1:]): annotations[v]
+                                    for v, keys in zip(inputs.ids, inputs.keys) if v in annotations}
+    for v, keys, a in zip(inputs.ids, inputs.keys, inputs.argnum):
+        if v in out or a in inputs.batch_argnums:
+            continue
+        hit = next((below[k] for n in range(len(keys), 0, -1) if (k := (g.values[v].shape, keys[-n:])) in below), None)
+        if hit is not None:
+            out[v] = hit
     return out
 
 
-def _keys(path: str) -> list[str]:
-    return [k for k in path.replace("]", "").split("[") if k]
-
-
-def _tail(path: str) -> tuple:
-    keys = _keys(path)
-    return tuple(keys[2:]) if len(keys) > 2 else tuple(keys)
-
-
-def _to_plan(inputs: _Inputs, best: Candidate, args, fn, devices: int, seconds: float, ranked: list[Candidate], limit: int) -> Plan:
+def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: float, ranked: list[Candidate], limit: int) -> Plan:
     g = inputs.graph
     specs = [_spec(best.propagation.of(v, len(g.values[v].shape))) for v in inputs.ids]
     it = iter(specs)
     in_specs = tuple(jax.tree.map(lambda _: next(it), a) for a in args)
-    out_abstract = jax.eval_shape(fn, *args)
     outs = iter(_spec(best.propagation.of(v, len(g.values[v].shape)) if v >= 0 else ()) for v in g.outputs)
-    out_specs = jax.tree.map(lambda _: next(outs), out_abstract)
+    out_specs = jax.tree.map(lambda _: next(outs), g.out_shape)
     c = best.cost
     cost = Cost(c.compute_seconds, c.communication_seconds, dict(c.collective_bytes), c.peak_bytes_per_device)
     # Why: the best candidate of every other tactic, and the next best of the chosen one.

@@ -84,9 +84,7 @@ class Graph:
     outputs: list[int]
     input_paths: list[str]
     unknown: dict[str, int]  # primitives captured as OPAQUE for want of a rule, with counts
-
-    def producer(self) -> dict[int, Op]:
-        return {r: op for op in self.ops for r in op.results}
+    out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies times their trips); of one primitive if named."""
@@ -106,11 +104,13 @@ def capture(fn, *args) -> Graph:
         >>> [op.primitive for op in g.ops if op.primitive == "dot_general"][:2]
     """
     try:
-        closed = jax.make_jaxpr(fn)(*args)
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
         raise CaptureError(f"tracing {getattr(fn, '__name__', fn)} with the given arguments failed: {type(e).__name__}: {e}") from e
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    return _Builder().build(closed.jaxpr, paths)
+    graph = _Builder().build(closed.jaxpr, paths)
+    graph.out_shape = out_shape
+    return graph
 
 
 class _Builder:

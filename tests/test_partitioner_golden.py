@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from examples.targets import TARGETS
 from partitioner.automap import search
 
 pytestmark = pytest.mark.unit
@@ -14,42 +15,13 @@ pytestmark = pytest.mark.unit
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
-def gpt(d, heads, ff, vocab, seq, layers, batch):
-    from examples.gpt.model import GPTConfig, make_program
-    from orchestrator import check_program
-
-    program = make_program(GPTConfig(vocab=vocab, seq_len=seq, d_model=d, n_heads=heads, n_layers=layers, d_ff=ff, dropout=0.0))
-    state, batch_tree = check_program(program, batch)
-    return program.step, (state, batch_tree)
-
-
-def mlp(d, f, layers, tokens):
-    from examples.residual_mlp import residual_mlp
-
-    step, state, x = residual_mlp(d, f, layers, tokens)
-    return step, (state, x)
-
-
-def llama():
-    from examples.llama import llama as build
-
-    return build()
-
-
-MODELS = {
-    "llama-gqa-swiglu": llama,
-    "gpt-d8192": lambda: gpt(8192, 64, 32768, 32768, 1024, 2, 8),
-    "gpt-example": lambda: gpt(128, 4, 512, 256, 64, 2, 24),
-    "mlp-small-weights": lambda: mlp(256, 1024, 2, 65536),
-    "mlp-d8192": lambda: mlp(8192, 32768, 2, 8192),
-}
 CASES = [("llama-gqa-swiglu", 8, "h100"), ("gpt-d8192", 8, "h100"), ("gpt-example", 8, "h100"), ("gpt-example", 6, "cpu"),
-         ("mlp-small-weights", 8, "h100"), ("mlp-d8192", 8, "h100"), ("mlp-d8192", 8, "tpu-v5e")]
+         ("mlp-small-weights", 8, "h100"), ("mlp-8k", 8, "h100"), ("mlp-8k", 8, "tpu-v5e")]
 
 
 @pytest.mark.parametrize("model, devices, hardware", CASES, ids=lambda x: str(x))
 def test_plan_matches_its_golden_file(model, devices, hardware):
-    fn, args = MODELS[model]()
+    fn, args = TARGETS[model]()
     plan, _ = search(fn, *args, devices=devices, hardware=hardware)
     doc = plan.to_dict()
     got = {"mesh": doc["mesh"], "in_specs": doc["in_specs"], "chosen": plan.notes[0].split()[1]}
