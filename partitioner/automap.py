@@ -1,36 +1,49 @@
-"""Tactics over the factor graph: each tactic annotates a few inputs (the batch, some weights),
-propagation shards everything else, and the cost model prices the result; the cheapest plan that
-fits in memory wins, and the runners-up are kept with their costs, to say why.
+"""Tactics and an exact solver over the folded factor graph: each plan annotates a few inputs
+(the batch, some weights), propagation shards everything else, and the cost model prices the
+result; the cheapest plan that fits in memory wins, and the runners-up are kept with their costs,
+to say why.
 
-Tactics, on every mesh (data=d, model=t) with d*t devices that divide the batch:
-    dp        batch over data, state replicated
+Meshes are every factoring of the devices (and of the most devices the batch divides, 6 of 7 for
+a batch of 24) into (data, seq, model); `data` must divide the batch and `seq` the sequence
+dimension of every batch leaf that has one.
+
+Tactics, on each mesh:
+    dp        batch over data (and its sequence dimension over seq), state replicated
     fsdp      dp, and every state leaf sharded over data on its largest dimension that divides
-    megatron  batch over data; each matmul weight, in program order, split over model on its
-              output dimension (column-parallel) unless the activation it multiplies already
-              arrives split along the contracted dimension, then on that one (row-parallel):
-              Megatron's alternation, read from the graph rather than from layer names
+    megatron  each matmul weight, in program order, split over model on its output dimension
+              (column-parallel) unless the activation it multiplies already arrives split along
+              the contracted dimension, then on that one (row-parallel): Megatron's alternation,
+              read from the graph rather than from layer names
     megatron+fsdp  both, the weights' other dimension over data
     expert    weights whose leading dimension is a batch factor of their matmul (stacked experts)
               split over model on it
-Optimizer state follows its parameter (same shape, same path below its container).
+On a mesh with seq > 1 every tactic is also sequence (context) parallel: activations are split
+along the sequence, and attention gathers keys and values, as propagation finds.
 
-This is the search's first level: a handful of propagations per mesh. It is not yet wired into
-`partitioner.plan`, which the orchestrator uses; see `search(...)`.
+Levels (Rhino's two):
+    fast      meshes without seq, model within one host (the hardware's fast links)
+    thorough  every mesh; then, on the meshes whose best tactic is within reach of the best
+              overall, the exact solver (`exact.k_best`, an ILP in HiGHS) chooses a split for
+              every weight of the folded graph from unary and pairwise costs measured by
+              propagation, and its best answers are priced exactly.
+Optimizer state follows its parameter (same shape, same path below its container).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from .cost import GraphCost, estimate
 from .hardware import Hardware, profile
-from .ir import FactorKind, Graph, Repeat, capture, find_repeats
+from .fold import Fold, fold
+from .ir import FactorKind, Graph, capture
 from .plan import Cost, Plan
 from .propagate import Propagation, Sharding, propagate
+from . import exact
 from .search import PlanInputError, PlanMemoryError, _batch_argnums
 
 
@@ -51,26 +64,43 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
-    graph: Graph
-    ids: list[int]  # value id per argument leaf
+    graph: Graph  # folded: one copy of each repeated layer
+    fold: Fold
+    ids: list[int]  # representative value id per argument leaf
     keys: list[tuple[str, ...]]  # each leaf's key path inside its argument
     argnum: list[int]
     batch_argnums: tuple[int, ...]
 
 
+LEVELS = ("fast", "thorough")
+TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "exact")
+
+
 def search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_limit: int | None = None,
-           batch_argnums: Sequence[int] | None = None) -> tuple[Plan, list[Candidate]]:
-    """The cheapest plan that fits, and every candidate priced (best first).
+           batch_argnums: Sequence[int] | None = None, level: str = "fast",
+           tactics: Collection[str] | None = None) -> tuple[Plan, list[Candidate]]:
+    """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits
+    the search to the named ones (`TACTICS`; "exact" is the thorough level's solver).
 
     Example:
-        >>> plan, ranked = search(step, state, batch, devices=8, hardware="h100")
+        >>> plan, ranked = search(step, state, batch, devices=8, hardware="h100", level="thorough")
         >>> print("\\n".join(c.line() for c in ranked[:3]))
     """
     t0 = time.perf_counter()
+    if level not in LEVELS:
+        raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
     hw = profile(hardware)
     limit = int(memory_limit or hw.memory_bytes)
     inputs = _inputs(fn, args, batch_argnums)
-    candidates = [c for mesh in _meshes(devices, inputs) for c in _tactics(inputs, mesh, hw)]
+    meshes = _meshes(devices, inputs, hw, level)
+    unknown = set(tactics or ()) - set(TACTICS)
+    if unknown:
+        raise PlanInputError(f"unknown tactics {sorted(unknown)}: expected some of {TACTICS}")
+    candidates = [c for mesh in meshes for c in _tactics(inputs, mesh, hw) if tactics is None or c.tactic.split("+sequence")[0] in tactics]
+    if level == "thorough" and (tactics is None or "exact" in tactics):
+        candidates += _solved(inputs, candidates, hw, limit)
+    if not candidates:
+        raise PlanInputError(f"no mesh of {devices} devices suits the tactics {sorted(tactics or TACTICS)}")
     ranked = sorted(candidates, key=lambda c: c.cost.total_seconds)
     fitting = [c for c in ranked if c.cost.peak_bytes_per_device <= limit]
     if not fitting:
@@ -95,7 +125,9 @@ def _inputs(fn, args, batch_argnums) -> _Inputs:
             argnum.append(i)
             keys.append(tuple(_key_name(k) for k in p))
     consts = len(graph.inputs) - len(keys)
-    return _Inputs(graph, graph.inputs[consts:], keys, argnum, tuple(batch_argnums))
+    leaves = graph.inputs[consts:]
+    folded = fold(graph, keys, leaves)
+    return _Inputs(folded.graph, folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums))
 
 
 def _key_name(key) -> str:
@@ -105,27 +137,55 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def _meshes(devices: int, inputs: _Inputs) -> list[dict[str, int]]:
-    """(data, model) factorizations of all the devices, and of the most devices whose count the
-    batch divides (6 of 7 for a batch of 24): data must divide every batch leaf."""
-    batch = [inputs.graph.values[v].shape[0] for v, a in zip(inputs.ids, inputs.argnum)
-             if a in inputs.batch_argnums and inputs.graph.values[v].shape]
-    if not batch:
+def _meshes(devices: int, inputs: _Inputs, hw: Hardware, level: str) -> list[dict[str, int]]:
+    """(data, seq, model) factorizations of all the devices, and of the most devices whose count
+    the batch divides (6 of 7 for a batch of 24)."""
+    leaves = [inputs.graph.values[v].shape for v, a in zip(inputs.ids, inputs.argnum)
+              if a in inputs.batch_argnums and inputs.graph.values[v].shape]
+    if not leaves:
         raise PlanInputError("no batch argument found: pass batch_argnums=... naming the arguments that hold the batch")
-    divides = lambda d: all(b % d == 0 for b in batch)
+    divides = lambda d: all(s[0] % d == 0 for s in leaves)
+    seq_divides = lambda q: any(len(s) >= 2 for s in leaves) and all(s[1] % q == 0 for s in leaves if len(s) >= 2)
     counts = [devices] + [next((m for m in range(devices - 1, 0, -1) if divides(m)), 1)]
-    return [{"data": m // t, "model": t} for m in dict.fromkeys(counts) for t in _divisors(m) if divides(m // t)]
+    fast_model = hw.devices_per_host if hw.inter.bandwidth < hw.intra.bandwidth else 16
+    out = []
+    for m in dict.fromkeys(counts):
+        for t in _divisors(m):
+            for q in _divisors(m // t):
+                d = m // t // q
+                if not divides(d) or (q > 1 and not seq_divides(q)):
+                    continue
+                if level == "fast" and (q > 1 or t > fast_model):
+                    continue
+                out.append({"data": d, "seq": q, "model": t})
+    return out
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _batch(inputs: _Inputs, mesh: Mapping[str, int]) -> dict[int, Sharding]:
+    g, out = inputs.graph, {}
+    for v, a in zip(inputs.ids, inputs.argnum):
+        shape = g.values[v].shape
+        if a in inputs.batch_argnums and shape:
+            split = [("data",) if mesh["data"] > 1 else ()] + [()] * (len(shape) - 1)
+            if mesh["seq"] > 1 and len(shape) >= 2:
+                split[1] = ("seq",)
+            if any(split):
+                out[v] = tuple(split)
+    return out
+
+
+def _state(inputs: _Inputs) -> list[int]:
+    return list(dict.fromkeys(v for v, a in zip(inputs.ids, inputs.argnum) if a not in inputs.batch_argnums))
+
+
 def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candidate]:
     g = inputs.graph
-    batch = {v: (("data",),) + ((),) * (len(g.values[v].shape) - 1)
-             for v, a in zip(inputs.ids, inputs.argnum) if a in inputs.batch_argnums and g.values[v].shape and mesh["data"] > 1}
-    state = [v for v, a in zip(inputs.ids, inputs.argnum) if a not in inputs.batch_argnums]
+    batch = _batch(inputs, mesh)
+    state = _state(inputs)
     plans = {}
     if mesh["model"] == 1:  # a model axis no weight uses would only repeat the same work
         plans["dp"] = dict(batch)
@@ -143,10 +203,101 @@ def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candid
     for name, annotations in plans.items():
         if mesh["model"] > 1 and not any("model" in axes for sh in annotations.values() for axes in sh):
             continue  # the tactic found nothing to split: the model axis would only repeat work
-        annotations = _mirror_optimizer_state(inputs, annotations)
-        prop = propagate(g, annotations, mesh)
-        out.append(Candidate(name, dict(mesh), annotations, estimate(g, prop, mesh, hw), prop))
+        out.append(_priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, annotations, hw))
     return out
+
+
+def _priced(inputs: _Inputs, name: str, mesh: Mapping[str, int], annotations: Mapping[int, Sharding], hw: Hardware) -> Candidate:
+    annotations = _mirror_optimizer_state(inputs, annotations)
+    prop = propagate(inputs.graph, annotations, mesh, first=_batch(inputs, mesh))
+    return Candidate(name, dict(mesh), annotations, estimate(inputs.graph, prop, mesh, hw, inputs.fold), prop)
+
+
+REFINED_MESHES = 4  # thorough: meshes the exact solver refines, best tactic first
+K_BEST = 3  # the solver's best answers priced exactly, per mesh
+
+
+def _solved(inputs: _Inputs, candidates: list[Candidate], hw: Hardware, limit: int) -> list[Candidate]:
+    """The exact level on the meshes whose best tactic is cheapest (Rhino: the coarse level
+    narrows where the fine one searches), starting from that tactic's plan."""
+    by_mesh: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        by_mesh.setdefault(tuple(c.mesh.items()), []).append(c)
+    def best(cs):
+        fitting = [c for c in cs if c.cost.peak_bytes_per_device <= limit]
+        return min(fitting, key=lambda c: c.cost.total_seconds) if fitting else min(cs, key=lambda c: c.cost.peak_bytes_per_device)
+    def rank(cs):
+        b = best(cs)
+        return (b.cost.peak_bytes_per_device > limit, b.cost.total_seconds)
+    meshes = sorted((k for k in by_mesh if dict(k)["model"] > 1), key=lambda k: rank(by_mesh[k]))[:REFINED_MESHES]
+    return [c for k in meshes for c in _solve_mesh(inputs, dict(k), hw, limit, best(by_mesh[k]))]
+
+
+def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int, start: Candidate) -> list[Candidate]:
+    """Every weight of the folded graph gets an option: replicated, or one dimension over model.
+    Around a reference plan (first the best tactic's), a plan's cost is modelled as the
+    reference's, plus each weight's own change, plus a correction for each pair of weights next
+    to each other in program order (and the last with the first: the next layer's), all measured
+    by propagation; the ILP's best answers are priced exactly, and the best of them becomes the
+    next reference while it improves (at most ROUNDS times). Each answer is also priced with FSDP."""
+    g, t = inputs.graph, mesh["model"]
+    batch = _batch(inputs, mesh)
+    weights = [w for _, _, w in _weights_in_order(inputs)]
+    options = [[None] + [d for d, n in enumerate(g.values[w].shape) if n % t == 0 and n >= t] for w in weights]
+    name = "exact" + ("+sequence" if mesh["seq"] > 1 else "")
+    cache: dict[tuple, Candidate] = {}
+
+    def price(choice: Sequence[int]) -> Candidate:
+        key = tuple(choice)
+        if key not in cache:
+            ann = {w: _split(g.values[w].shape, opts[o], "model") for w, opts, o in zip(weights, options, key) if o}
+            cache[key] = _priced(inputs, name, mesh, {**batch, **ann}, hw)
+        return cache[key]
+
+    def option_of(w: int, opts: list) -> int:
+        dims = [d for d, axes in enumerate(start.annotations.get(w, ())) if "model" in axes]
+        return opts.index(dims[0]) if dims and dims[0] in opts else 0
+
+    ref = tuple(option_of(w, opts) for w, opts in zip(weights, options))
+    out = []
+    for _ in range(ROUNDS):
+        answers = [price(choice) for choice in exact.k_best(_linearised(price, ref, options, limit), K_BEST)]
+        out += answers
+        fitting = [a for a in answers if a.cost.peak_bytes_per_device <= limit]
+        better = min(fitting, key=lambda a: a.cost.total_seconds, default=None)
+        if better is None or better.cost.total_seconds >= price(ref).cost.total_seconds:
+            break
+        ref = next(k for k, c in cache.items() if c is better)
+    if mesh["data"] > 1:
+        for c in list(out):
+            tp = {w: c.annotations[w] for w in weights if w in c.annotations}
+            out.append(_priced(inputs, name + "+fsdp", mesh, {**batch, **_add_fsdp(g, tp, _state(inputs), mesh["data"])}, hw))
+    return out
+
+
+ROUNDS = 2
+
+
+def _linearised(price, ref: tuple[int, ...], options: list[list], limit: int) -> exact.PairwiseProblem:
+    base = price(ref)
+    sec = lambda c: c.cost.total_seconds / base.cost.total_seconds - 1.0
+    mem = lambda c: (c.cost.peak_bytes_per_device - base.cost.peak_bytes_per_device) / limit
+    moved = lambda changes: price(tuple(changes.get(i, o) for i, o in enumerate(ref)))
+    n = len(ref)
+    unary = [[0.0 if o == ref[i] else sec(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
+    unary_mem = [[0.0 if o == ref[i] else mem(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
+    pair, pair_mem = {}, {}
+    for i, j in [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else []):
+        both = lambda o, p: o != ref[i] and p != ref[j]
+        pair[(i, j)] = [[sec(moved({i: o, j: p})) - unary[i][o] - unary[j][p] if both(o, p) else 0.0
+                         for p in range(len(options[j]))] for o in range(len(options[i]))]
+        pair_mem[(i, j)] = [[mem(moved({i: o, j: p})) - unary_mem[i][o] - unary_mem[j][p] if both(o, p) else 0.0
+                             for p in range(len(options[j]))] for o in range(len(options[i]))]
+    return exact.PairwiseProblem(unary, pair, unary_mem, pair_mem, budget=(limit - base.cost.peak_bytes_per_device) / limit)
+
+
+def _split(shape, dim: int, axis: str) -> Sharding:
+    return tuple((axis,) if i == dim else () for i in range(len(shape)))
 
 
 def _fsdp(shape, d: int) -> Sharding | None:
@@ -188,21 +339,12 @@ def _weights_in_order(inputs: _Inputs) -> list[tuple[Any, int, int]]:
 
 
 def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding]) -> dict[int, Sharding]:
-    """Decide weights in program order; a weight first used in a repeated layer (TAP: identical
-    blocks of ops, `find_repeats`) copies the decision made for the same position in the first
-    copy of that layer instead of propagating again, so the number of propagations does not grow
-    with depth."""
+    """Decide weights in program order, propagating after each decision. The graph is folded, so
+    a repeated layer's weights are decided once for every copy (TAP)."""
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
-    decided: dict[tuple[int, int], Sharding | None] = {}  # (op id, operand) in a first copy -> decision
-    repeats = [r for r in find_repeats(g) if r.period >= 8]
     prop = propagate(g, {**batch}, mesh)
     for op, k, w in _weights_in_order(inputs):
-        first = _first_copy(op.id, repeats)
-        if first is not None and (first, k) in decided:
-            if decided[(first, k)] is not None and g.values[w].shape == g.values[g.ops[first].operands[k]].shape:
-                chosen[w] = decided[(first, k)]
-            continue
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         x_sharding = prop.of(other, len(g.values[other].shape)) if other >= 0 else ()
@@ -215,20 +357,11 @@ def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Shardin
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
         shape = g.values[w].shape
         dims = [d for d in dims if shape[d] % t == 0]
-        decided[(op.id, k)] = tuple(("model",) if i == dims[-1] else () for i in range(len(shape))) if dims else None
         if not dims:
             continue
-        chosen[w] = decided[(op.id, k)]
-        prop = propagate(g, {**batch, **chosen}, mesh)
+        chosen[w] = tuple(("model",) if i == dims[-1] else () for i in range(len(shape)))
+        prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
     return chosen
-
-
-def _first_copy(op_id: int, repeats: list[Repeat]) -> int | None:
-    """The op at the same position in the first copy of the repeated block `op_id` lies in."""
-    for r in repeats:
-        if r.start + r.period <= op_id < r.stop:
-            return r.start + (op_id - r.start) % r.period
-    return None
 
 
 def _experts(inputs: _Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:

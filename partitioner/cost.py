@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-from .hardware import Hardware
+from .hardware import Hardware, latency_steps
 from .ir import ELEMENTWISE, Graph
 from .propagate import Propagation
+
+if TYPE_CHECKING:
+    from .fold import Fold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,34 +36,44 @@ class GraphCost:
 FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota"}
 
 
-def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware) -> GraphCost:
-    materialized = _materialized(graph)
-    compute = sum(_op_seconds(graph, op, prop, mesh, hardware, materialized) for op in graph.ops)
+def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware, fold: "Fold | None" = None) -> GraphCost:
+    """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled)."""
+    if fold is not None:
+        graph, mult, mat = fold.graph, fold.mult, fold.materialized
+    else:
+        mult, mat = [1] * len(graph.ops), materialized(graph)
+    compute = sum(m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie")
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
     for c in prop.communication:
         p = math.prod(mesh[a] for a in c.axes)
-        if p == 1:
+        if p == 1 or not mult[c.op]:
             continue
+        n = mult[c.op]
         link = hardware.link(_span(c.axes, mesh))
         if c.kind == "all-reduce":
             nbytes = 2 * (p - 1) / p * c.bytes
-            sent["all-reduce"] += int(nbytes)
+            sent["all-reduce"] += int(nbytes) * n
             if c.value in off_path:  # e.g. weight gradients: XLA combines them, latency is paid once
-                combined[c.axes] = combined.get(c.axes, 0) + int(nbytes)
-                comm += nbytes / link.bandwidth
+                combined[c.axes] = combined.get(c.axes, 0) + int(nbytes) * n
+                comm += n * nbytes / link.bandwidth
                 continue
-            comm += nbytes / link.bandwidth + 2 * (p - 1) * link.latency
-        else:
+            comm += n * (nbytes / link.bandwidth + latency_steps("all-reduce", p) * link.latency)
+        else:  # a reshard gathers; a reduce-scatter sends as much (each shard to its owner)
+            kind = "reduce-scatter" if c.kind == "reduce-scatter" else "all-gather"
             nbytes = (p - 1) * c.bytes
-            comm += nbytes / link.bandwidth + (p - 1) * link.latency
-            sent["all-gather"] += int(nbytes)
+            comm += n * (nbytes / link.bandwidth + latency_steps(kind, p) * link.latency)
+            sent[kind] = sent.get(kind, 0) + int(nbytes) * n
     for axes, nbytes in combined.items():
         p = math.prod(mesh[a] for a in axes)
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
-        comm += rounds * 2 * (p - 1) * hardware.link(_span(axes, mesh)).latency
-    return GraphCost(compute, comm, sent, peak_bytes(graph, prop, mesh))
+        comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
+    if fold is not None:
+        peak = fold.peak_bytes({v: _device_bytes(graph, v, prop, mesh) for v in mat})
+    else:
+        peak = peak_bytes(graph, prop, mesh)
+    return GraphCost(compute, comm, sent, peak)
 
 
 COMBINE_BYTES = 32 << 20  # about what XLA's all-reduce combiner packs into one collective
@@ -70,13 +83,18 @@ def _off_the_matmul_path(graph: Graph) -> set[int]:
     """Values no matmul depends on (a weight gradient on its way to the optimizer): nothing waits
     for their collectives, so independent ones are combined into few large ones."""
     feeds: set[int] = set()
-    for op in reversed(graph.ops):
-        if op.primitive == "dot_general" or any(r in feeds for r in op.results):
-            feeds.update(v for v in op.operands if v >= 0)
+    for _ in range(4):  # a folded graph's ties carry one copy's output into the next copy's ops
+        before = len(feeds)
+        for op in reversed(graph.ops):
+            if (op.primitive == "dot_general" or any(r in feeds for r in op.results)
+                    or (op.primitive == "tie" and any(v in feeds for v in op.operands))):
+                feeds.update(v for v in op.operands if v >= 0)
+        if len(feeds) == before:
+            break
     return {v for op in graph.ops for v in op.results if v not in feeds}
 
 
-def _materialized(graph: Graph) -> set[int]:
+def materialized(graph: Graph) -> set[int]:
     """Values that reach memory: inputs, outputs, whatever a non-fusible op makes or reads, and
     values read more than once. XLA fuses chains of elementwise ops (an optimizer update is one
     kernel), so a value passed once inside such a chain costs no memory traffic or space."""
@@ -134,15 +152,15 @@ def peak_bytes(graph: Graph, prop: Propagation, mesh) -> int:
     for op in graph.ops:
         for v in op.results:
             last_use.setdefault(v, op.id)  # never used: gone right after it is made
-    materialized = _materialized(graph)  # values inside a fused chain never occupy memory
+    mat = materialized(graph)  # values inside a fused chain never occupy memory
     frees: dict[int, int] = {}
     for v, t in last_use.items():
-        if v in materialized:
+        if v in mat:
             frees[t] = frees.get(t, 0) + _device_bytes(graph, v, prop, mesh)
     live = sum(_device_bytes(graph, v, prop, mesh) for v in set(graph.inputs))
     peak = live
     for op in graph.ops:
-        live += sum(_device_bytes(graph, v, prop, mesh) for v in op.results if v in materialized)
+        live += sum(_device_bytes(graph, v, prop, mesh) for v in op.results if v in mat)
         peak = max(peak, live)
         live -= frees.get(op.id, 0)
     return peak

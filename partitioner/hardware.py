@@ -6,6 +6,7 @@ alpha + bytes / bandwidth; `intra` applies within one host (NVLink, ICI), `inter
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,17 @@ class Hardware:
     def link(self, group_size: int) -> Link:
         """The slowest link a collective over `group_size` consecutive devices crosses."""
         return self.intra if group_size <= self.devices_per_host else self.inter
+
+
+def latency_steps(kind: str, group: int) -> int:
+    """Latency terms (alpha) one collective pays. All-reduce: a ring's 2(p-1), or a double binary
+    tree's 2*ceil(log2 p) where fewer (NCCL picks the tree when latency dominates, as it does
+    across many hosts); all-gather and reduce-scatter: a ring's p-1."""
+    if group <= 1:
+        return 0
+    if kind == "all-reduce":
+        return min(2 * (group - 1), 2 * math.ceil(math.log2(group)))
+    return group - 1
 
 
 GB = 10**9

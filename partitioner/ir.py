@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import Any, Sequence
 
@@ -85,6 +86,8 @@ class Graph:
     input_paths: list[str]
     unknown: dict[str, int]  # primitives captured as OPAQUE for want of a rule, with counts
     out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
+    _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies times their trips); of one primitive if named."""
@@ -128,7 +131,7 @@ class _Builder:
         return Graph(self.values, _live_ops(self.ops, outputs), inputs, outputs, consts + list(paths), self.unknown)
 
     def _new_value(self, aval) -> int:
-        dtype = "key" if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key) else np.dtype(aval.dtype).name
+        dtype = _dtype_name(aval.dtype)
         self.values.append(Value(len(self.values), tuple(int(d) for d in aval.shape), dtype))
         return len(self.values) - 1
 
@@ -180,6 +183,11 @@ class _Builder:
         if name == "cond":
             return _Builder().build(eqn.params["branches"][0].jaxpr, []), 1
         return None, 1
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype) -> str:
+    return "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
 
 def _live_ops(ops: list[Op], outputs: list[int]) -> list[Op]:
@@ -288,14 +296,19 @@ def _reshape(eqn, in_shapes, out_shapes):
         if len(ga) == 1 or len(gb) == 1:
             finer, coarse_a = (ga, False) if len(ga) >= len(gb) else (gb, True)
             sizes = [a[k] for k in ga] if not coarse_a else [b[k] for k in gb]
-            ids = tuple(range(len(factors), len(factors) + len(sizes)))
-            factors += [Factor(int(x), FactorKind.PASS) for x in sizes]
+            ids: list[int | None] = []
+            for x in sizes:  # a unit dimension holds no factor: nothing to shard there
+                ids.append(None if x == 1 else len(factors))
+                if x != 1:
+                    factors.append(Factor(int(x), FactorKind.PASS))
+            whole = tuple(i for i in ids if i is not None)
+            fine = [(i,) if i is not None else () for i in ids]
             if coarse_a:
-                da += [ids] * len(ga)
-                db += [(i,) for i in ids]
+                da += [whole] * len(ga)
+                db += fine
             else:
-                da += [(i,) for i in ids]
-                db += [ids] * len(gb)
+                da += fine
+                db += [whole] * len(gb)
         else:
             da += list(_own([a[k] for k in ga], factors, FactorKind.OPAQUE))
             db += list(_own([b[k] for k in gb], factors, FactorKind.OPAQUE))
@@ -540,22 +553,37 @@ class Repeat:
         return self.start + self.period * self.count
 
 
-def find_repeats(graph: Graph, min_count: int = 2) -> list[Repeat]:
+def signature_ids(graph: Graph) -> list[int]:
+    """Per op, an integer equal for ops with equal `Op.signature` (computed once per graph)."""
+    if graph._signature_ids is None:
+        ids: dict[tuple, int] = {}
+        graph._signature_ids = [ids.setdefault(op.signature(graph.values), len(ids)) for op in graph.ops]
+    return graph._signature_ids
+
+
+def find_repeats(graph: Graph, min_count: int = 2, min_period: int = 1) -> list[Repeat]:
     """Maximal runs of identical op blocks, longest coverage first, non-overlapping.
 
     Op signatures are hashed to integers; candidate periods are the gaps between consecutive
-    occurrences of each matmul signature (every layer has its own matmuls), and each candidate is
-    checked in one linear pass, so this stays near-linear in the number of ops."""
-    sig_ids: dict[tuple, int] = {}
-    seq = [sig_ids.setdefault(op.signature(graph.values), len(sig_ids)) for op in graph.ops]
-    positions: dict[int, list[int]] = {}
-    for i, (op, s) in enumerate(zip(graph.ops, seq)):
-        if op.primitive == "dot_general":
-            positions.setdefault(s, []).append(i)
-    periods = sorted({b - a for pos in positions.values() for a, b in zip(pos, pos[1:])}, reverse=True)
+    occurrences of a matmul's signature (each layer has its own matmuls) and of any other
+    signature that recurs at one gap twice in a row (each leaf of a norm its own reduction); each
+    candidate is checked in one linear pass from where its run begins, so this stays
+    near-linear in the number of ops."""
+    seq = signature_ids(graph)
+    last: dict[int, int] = {}
+    last_gap: dict[int, int] = {}
+    starts: dict[int, int] = {}  # period -> first op where it recurs
+    for i, s in enumerate(seq):
+        if s in last:
+            gap = i - last[s]
+            # A matmul seen twice is a layer's; any other op must recur at one gap twice.
+            if gap >= min_period and (last_gap.get(s) == gap or graph.ops[i].primitive == "dot_general"):
+                starts.setdefault(gap, last[s] - (gap if last_gap.get(s) == gap else 0))
+            last_gap[s] = gap
+        last[s] = i
     found: list[Repeat] = []
-    for period in periods:
-        i = 0
+    for period in sorted(starts, reverse=True):
+        i = max(0, starts[period] - period)
         while i + period < len(seq):
             j = i
             while j + period < len(seq) and seq[j] == seq[j + period]:

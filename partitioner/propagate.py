@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Collection, Mapping
 
-from .ir import FactorKind, Graph, Op
+from .ir import ELEMENTWISE, FactorKind, Graph, Op
 
 Sharding = tuple[tuple[str, ...], ...]
 
@@ -26,7 +26,7 @@ Sharding = tuple[tuple[str, ...], ...]
 @dataclasses.dataclass(frozen=True)
 class Communication:
     op: int
-    kind: str  # "all-reduce" (partial sums over REDUCE factors) or "reshard"
+    kind: str  # "all-reduce" or "reduce-scatter" (partial sums over REDUCE factors), or "reshard"
     value: int
     axes: tuple[str, ...]
     bytes: int  # of the value per device, before the collective
@@ -42,34 +42,43 @@ class Propagation:
         return self.shardings.get(value, ((),) * rank)
 
 
-def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[str, int], *, max_sweeps: int = 8) -> Propagation:
+def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[str, int], *, first: Collection[int] = (),
+              max_sweeps: int = 8) -> Propagation:
     """`annotations`: value id -> sharding (inputs, usually: parameters and batch). Annotated values
-    keep their sharding; the rest are filled in.
+    keep their sharding; the rest are filled in. Annotations named in `first` (the batch) spread
+    alone before the others join, as a higher priority: where a weight's FSDP split and the
+    batch's split want the same axis for one op, the weight is the one gathered.
 
     Example:
         >>> p = propagate(g, {g.inputs[0]: (("data",), ()), g.inputs[1]: ((), ("model",))}, {"data": 2, "model": 4})
         >>> p.shardings[g.outputs[0]]
     """
-    shardings: dict[int, Sharding] = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
-    fixed = set(shardings)
+    annotations = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
+    stages = [{v: s for v, s in annotations.items() if v in first}, annotations] if first else [annotations]
+    shardings: dict[int, Sharding] = {}
+    fixed: set[int] = set()
     factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
     touching: dict[int, list[int]] = {}
     for op in graph.ops:
         for v in op.operands + op.results:
             if v >= 0:
                 touching.setdefault(v, []).append(op.id)
-    dirty = {op.id for op in graph.ops}
-    for sweep in range(max_sweeps):
-        order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
-        changed: set[int] = set()
-        for op in order:
-            if op.id in dirty:
-                dirty.discard(op.id)
-                for v in _step(graph, op, shardings, fixed, factor_axes[op.id], mesh, forward=sweep % 2 == 0):
-                    changed.add(v)
-                    dirty.update(touching[v])  # only ops that see a changed value can change anything
-        if not changed:
-            break
+    for stage in stages:
+        shardings.update(stage)
+        fixed |= set(stage)
+        for strict in (True, False):
+            dirty = {op.id for op in graph.ops}
+            for sweep in range(max_sweeps):
+                order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
+                changed: set[int] = set()
+                for op in order:
+                    if op.id in dirty:
+                        dirty.discard(op.id)
+                        for v in _step(graph, op, shardings, fixed, factor_axes[op.id], mesh, sweep % 2 == 0, strict):
+                            changed.add(v)
+                            dirty.update(touching[v])  # only ops that see a changed value can change anything
+                if not changed:
+                    break
     return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
 
 
@@ -79,9 +88,18 @@ def _sides(op: Op, forward: bool):
     return operands + results if forward else results + operands
 
 
-def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward: bool) -> list[int]:
-    for value, dims in _sides(op, forward):
+def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward: bool, strict: bool) -> list[int]:
+    # The largest values choose first, and in the first (strict) pass a value broadcast into a
+    # larger elementwise op chooses nothing: a layer norm's sharded scale must not split the
+    # activations it scales along the hidden dimension before the batch's sharding arrives
+    # (GSPMD likewise propagates through broadcasts last).
+    sides = sorted(_sides(op, forward), key=lambda s: -graph.values[s[0]].nbytes if s[0] >= 0 else 0)
+    largest = graph.values[sides[0][0]].nbytes if sides and sides[0][0] >= 0 else 0
+    gated = strict and op.primitive in _BROADCASTING
+    for value, dims in sides:
         if value < 0 or value not in shardings:
+            continue
+        if gated and graph.values[value].nbytes < largest:
             continue
         for axes, factors in zip(shardings[value], dims):
             if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
@@ -110,20 +128,27 @@ def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward:
     return changed
 
 
+_BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
+
+
 def _fits(size: int, axes, mesh) -> bool:
     return size % math.prod(mesh[a] for a in axes) == 0
 
 
 def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communication]:
     out = []
+    constant = _constants(graph)
     for op in graph.ops:
         assigned = factor_axes[op.id]
         for f, axes in assigned.items():
             if op.factors[f].kind is FactorKind.REDUCE:
                 for value in op.results:
-                    out.append(Communication(op.id, "all-reduce", value, axes, _per_device_bytes(graph, value, shardings, mesh)))
+                    # A result split over the reduced axes needs only its own part of the sums.
+                    split = {a for dim in shardings.get(value, ()) for a in dim}
+                    kind = "reduce-scatter" if split & set(axes) else "all-reduce"
+                    out.append(Communication(op.id, kind, value, axes, _per_device_bytes(graph, value, shardings, mesh)))
         for value, dims in zip(op.operands, op.operand_dims):
-            if value < 0 or value not in shardings:
+            if value < 0 or value not in shardings or value in constant:  # computed in any layout, for free
                 continue
             for d, (axes, factors) in enumerate(zip(shardings[value], dims)):
                 want = assigned.get(factors[0], ()) if factors else ()
@@ -131,6 +156,18 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
                     out.append(Communication(op.id, "reshard", value, tuple(axes), _per_device_bytes(graph, value, shardings, mesh)))
                     break
     return out
+
+
+def _constants(graph: Graph) -> set[int]:
+    """Values computed from literals alone (a broadcast zero, an iota): XLA makes them in
+    whatever sharding their reader wants."""
+    if graph._constants is None:
+        out: set[int] = set()
+        for op in graph.ops:
+            if op.body is None and all(v < 0 or v in out for v in op.operands):
+                out.update(op.results)
+        graph._constants = out
+    return graph._constants
 
 
 def _per_device_bytes(graph: Graph, value: int, shardings, mesh) -> int:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .hardware import Hardware, profile
+from .hardware import Hardware, latency_steps, profile
 from .plan import Cost, Plan
 
 LEVELS = ("fast", "thorough")
@@ -192,7 +192,7 @@ def _cost(d, f, abstract, batch_argnums, specs, flops, hw: Hardware) -> Cost:
 
 def _ring(nbytes: float, group: int, hw: Hardware) -> float:
     link = hw.link(group)
-    return nbytes / link.bandwidth + 2 * (group - 1) * link.latency
+    return nbytes / link.bandwidth + latency_steps("all-reduce", group) * link.latency
 
 
 def _out_specs(out, abstract, in_specs, batch_argnums):

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import jax
 
-from .hardware import Hardware, profile
+from .hardware import Hardware, latency_steps, profile
 from .plan import Plan
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -160,5 +160,5 @@ def _sent(c: Collective) -> float:
 
 def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
     link = hw.link(max(c.span, c.group_size))
-    steps = 2 * (c.group_size - 1) if c.kind == "all-reduce" else max(c.group_size - 1, 1)
+    steps = latency_steps(c.kind, c.group_size) if c.kind in ("all-reduce", "all-gather", "reduce-scatter") else 1
     return _sent(c) / link.bandwidth + steps * link.latency

@@ -20,7 +20,9 @@ def spec(tmp_path, devices, steps, planner="first"):
     from partitioner.automap import search
 
     state, batch = check_program(program, 24)
-    if planner == "tactics":
+    if planner == "megatron":  # the factor-graph search, held to tensor parallelism
+        plan = search(program.step, state, batch, devices=devices, hardware="cpu", tactics=("megatron",))[0]
+    elif planner == "tactics":
         plan = search(program.step, state, batch, devices=devices, hardware="cpu")[0]
     else:
         plan = partitioner.plan(program.step, state, batch, devices=devices, hardware="cpu")
@@ -44,7 +46,7 @@ def test_a_tactics_plan_trains_and_resumes_on_another_plan(tmp_path, devices8):
     """The factor-graph search's plans through the worker: Megatron x DP on 8 devices, then data
     parallel on 6, resuming bitwise at the saved data position."""
     first, second = [], []
-    tp = spec(tmp_path, 8, 10, planner="tactics")
+    tp = spec(tmp_path, 8, 10, planner="megatron")
     assert "model" in partitioner.Plan.from_json(tp.plan_json).mesh  # a tensor-parallel plan
     run_segment(tp, first.append)
     dp = spec(tmp_path, 6, 12, planner="tactics")

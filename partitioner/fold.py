@@ -1,0 +1,195 @@
+"""Folding (TAP's idea): a step with L identical layers is planned on a graph the size of one layer.
+
+Three kinds of sameness collapse onto one representative:
+    layers      consecutive identical blocks of ops (`find_repeats`: a forward or a backward layer);
+                copy k's ops and values map to copy 0's, and its weights to copy 0's weights
+    mirrors     an input whose key path ends with another input's path below its container (AdamW's
+                `mu/layers/3/wq` mirrors `params/layers/3/wq`) joins the class of the one it mirrors
+    duplicates  an op with the same signature on the same representative operands (the optimizer's
+                per-leaf update chains, one per layer) is the op it repeats
+Where copy k reads a value that copy 0 reads in a different form (a layer's input is the previous
+layer's output in copy k but the embedding in copy 0), a `tie` op joins the two so propagation
+gives them one sharding, the steady state of the unrolled graph.
+
+Every folded op carries its multiplicity, so compute and communication are priced once and counted
+L times; peak memory is computed on the unrolled timeline (vectorised), because activations saved
+by every layer add up there and nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .ir import Factor, FactorKind, Graph, Op, find_repeats, signature_ids
+
+MIN_PERIOD = 8  # blocks shorter than this are elementwise runs, left to duplicate folding
+
+
+@dataclasses.dataclass
+class Fold:
+    graph: Graph  # representative ops, then ties; values are the original graph's
+    rep: np.ndarray  # original value id -> representative value id
+    mult: list[int]  # folded op id -> original ops it stands for (carries, for a tie)
+    materialized: set[int]  # representatives of values that reach memory
+    original_ops: int
+    _birth: np.ndarray = dataclasses.field(repr=False)
+    _death: np.ndarray = dataclasses.field(repr=False)
+    _live_values: np.ndarray = dataclasses.field(repr=False)
+
+    def of(self, value: int) -> int:
+        return int(self.rep[value]) if value >= 0 else value
+
+    def peak_bytes(self, device_bytes: Mapping[int, int]) -> int:
+        """Most bytes live on one device over the unrolled program; `device_bytes`: per
+        representative value, its bytes on one device."""
+        per_rep = np.zeros(len(self.rep), dtype=np.float64)
+        for v, n in device_bytes.items():
+            per_rep[v] = n
+        sizes = per_rep[self.rep[self._live_values]]
+        slots = self.original_ops + 2
+        delta = np.bincount(self._birth, sizes, slots) - np.bincount(self._death + 1, sizes, slots)
+        return int(np.cumsum(delta)[: max(self.original_ops, 1)].max())
+
+
+def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids: Sequence[int] | None = None) -> Fold:
+    """`keys`: the key path of each argument leaf, `input_ids` their value ids (for mirrors).
+
+    Example:
+        >>> f = fold(capture(step, state, batch))
+        >>> len(f.graph.ops), f.original_ops
+        (702, 48125)
+    """
+    parent = list(range(len(graph.values)))
+    op_parent = list(range(len(graph.ops)))
+    pairs: list[tuple[int, int, int]] = []  # (value in copy k, value in copy 0, copies) to tie
+    in_copy = np.zeros(len(graph.ops), dtype=bool)
+    is_input = set(graph.inputs)
+    for r in find_repeats(graph, min_period=MIN_PERIOD):
+        for k in range(1, r.count):
+            base = r.start + k * r.period
+            in_copy[base: base + r.period] = True
+            for i in range(r.period):
+                op_k, op_0 = graph.ops[base + i], graph.ops[r.start + i]
+                op_parent[op_k.id] = op_0.id
+                for a, b in zip(op_k.results, op_0.results):
+                    parent[a] = b
+                for a, b in zip(op_k.operands, op_0.operands):
+                    if a < 0 or b < 0 or a == b:
+                        continue
+                    if a in is_input and b in is_input and parent[a] == a:
+                        parent[a] = _find(parent, b)  # layer k's weight is layer 0's
+                    else:
+                        pairs.append((a, b, r.count - 1))
+    if keys is not None and input_ids is not None:
+        _merge_mirrors(graph, parent, keys, input_ids)
+    kept, seen = [], {}
+    # Constants (ops on literals only) stay one per use, since each use may want its own
+    # sharding; equal ones hash alike, so the ops that read them can still be duplicates.
+    const: dict[int, tuple] = {}
+    hkey = lambda v: const.get(v) or (_find(parent, v) if v >= 0 else v)
+    sigs = signature_ids(graph)
+    for op in graph.ops:
+        if in_copy[op.id]:
+            continue
+        if all(v < 0 for v in op.operands) and op.body is None:
+            const.update({r: ("const", sigs[op.id], i) for i, r in enumerate(op.results)})
+            kept.append(op)
+            continue
+        key = (sigs[op.id], tuple(hkey(v) for v in op.operands), id(op.body) if op.body is not None else None)
+        if key in seen:
+            op_parent[op.id] = seen[key].id
+            for a, b in zip(op.results, seen[key].results):
+                parent[a] = b
+            continue
+        seen[key] = op
+        kept.append(op)
+    return _build(graph, parent, op_parent, kept, pairs)
+
+
+def _find(parent: list[int], v: int) -> int:
+    root = v
+    while parent[root] != root:
+        root = parent[root]
+    while parent[v] != root:
+        parent[v], v = root, parent[v]
+    return root
+
+
+def _merge_mirrors(graph: Graph, parent: list[int], keys, input_ids) -> None:
+    by_path = {}
+    for v, k in zip(input_ids, keys):
+        by_path.setdefault((graph.values[v].shape, k[1:]), v)
+    classes: dict[tuple, int] = {}
+    for v, k in zip(input_ids, keys):
+        shape = graph.values[v].shape
+        for n in range(len(k) - 1, 0, -1):  # the longest tail that is another leaf's path
+            u = by_path.get((shape, k[-n:]))
+            if u is not None and u != v:
+                cls = (k[: len(k) - n], _find(parent, u))
+                if cls in classes:
+                    a, b = _find(parent, v), _find(parent, classes[cls])
+                    if a != b:
+                        parent[a] = b
+                else:
+                    classes[cls] = v
+                break
+
+
+def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
+    rep = np.array([_find(parent, v) for v in range(len(graph.values))], dtype=np.int64)
+    find = lambda v: int(rep[v]) if v >= 0 else v
+    read = {find(v) for op in kept for v in op.operands} | {find(v) for v in graph.outputs}
+    kept = [op for op in kept if op.body is not None or any(v >= 0 for v in op.operands) or any(r in read for r in op.results)]
+    index = {op.id: i for i, op in enumerate(kept)}
+    mult = [0] * len(kept)
+    for o in range(len(graph.ops)):
+        r = o
+        while op_parent[r] != r:
+            r = op_parent[r]
+        if r in index:  # else a constant only its folded-away readers used
+            mult[index[r]] += 1
+    ops = [dataclasses.replace(op, id=i, operands=tuple(find(v) for v in op.operands)) for i, op in enumerate(kept)]
+    ties: dict[tuple[int, int], int] = {}
+    for a, b, copies in pairs:
+        a, b = find(a), find(b)
+        if a != b and graph.values[a].shape == graph.values[b].shape:
+            ties[(a, b)] = max(ties.get((a, b), 0), copies)
+    for (a, b), copies in ties.items():
+        ops.append(_tie(len(ops), a, b, graph.values[a].shape))
+        mult.append(copies)
+    inputs = list(dict.fromkeys(find(v) for v in graph.inputs))
+    folded = Graph(graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape)
+    birth, death, live = _liveness(graph)
+    materialized = {find(v) for v in live}
+    return Fold(folded, rep, mult, materialized, len(graph.ops), birth, death, np.array(live, dtype=np.int64))
+
+
+def _tie(op_id: int, a: int, b: int, shape) -> Op:
+    factors = tuple(Factor(int(s), FactorKind.PASS) for s in shape)
+    dims = tuple((i,) for i in range(len(shape)))
+    return Op(op_id, "tie", (a, b), (), factors, (dims, dims), (), 0.0)
+
+
+def _liveness(graph: Graph):
+    """Birth and death (op index, inclusive) of every value that reaches memory. Arguments and
+    results live throughout (the caller owns arguments unless donated, as XLA counts them)."""
+    from .cost import materialized as materialized_values
+
+    mat = materialized_values(graph)
+    end = len(graph.ops)
+    birth = {v: 0 for v in graph.inputs}
+    death: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.results:
+            birth[v] = op.id
+            death[v] = op.id  # never used: gone right after it is made
+        for v in op.operands:
+            if v >= 0:
+                death[v] = op.id
+    for v in list(graph.inputs) + [v for v in graph.outputs if v >= 0]:
+        death[v] = end
+    live = sorted(v for v in mat if v in birth)
+    return (np.array([birth[v] for v in live], dtype=np.int64), np.array([death.get(v, birth[v]) for v in live], dtype=np.int64), live)
+
