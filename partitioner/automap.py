@@ -70,6 +70,7 @@ class _Inputs:
     keys: list[tuple[str, ...]]  # each leaf's key path inside its argument
     argnum: list[int]
     batch_argnums: tuple[int, ...]
+    seconds: tuple[float, float] = (0.0, 0.0)  # capture, fold
 
 
 LEVELS = ("fast", "thorough")
@@ -92,6 +93,7 @@ def search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_li
     hw = profile(hardware)
     limit = int(memory_limit or hw.memory_bytes)
     inputs = _inputs(fn, args, batch_argnums)
+    t1 = time.perf_counter()
     meshes = _meshes(devices, inputs, hw, level)
     unknown = set(tactics or ()) - set(TACTICS)
     if unknown:
@@ -110,11 +112,15 @@ def search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_li
             f"({least.tactic} on {dict(least.mesh)}), {(least.cost.peak_bytes_per_device - limit) / 2**30:.2f} GiB over. "
             "Use more devices, a smaller batch, or a larger memory_limit")
     best = fitting[0]
-    plan = _to_plan(inputs, best, args, devices, time.perf_counter() - t0, ranked, limit)
+    t2 = time.perf_counter()
+    timing = (f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops), fold {inputs.seconds[1]:.2f} s "
+              f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})")
+    plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, timing)
     return plan, ranked
 
 
 def _inputs(fn, args, batch_argnums) -> _Inputs:
+    t0 = time.perf_counter()
     abstract = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), a) for a in args)
     graph = capture(fn, *abstract)  # the only trace of fn: its output shapes come with the graph
     if batch_argnums is None:
@@ -126,8 +132,10 @@ def _inputs(fn, args, batch_argnums) -> _Inputs:
             keys.append(tuple(_key_name(k) for k in p))
     consts = len(graph.inputs) - len(keys)
     leaves = graph.inputs[consts:]
+    t1 = time.perf_counter()
     folded = fold(graph, keys, leaves)
-    return _Inputs(folded.graph, folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums))
+    seconds = (t1 - t0, time.perf_counter() - t1)
+    return _Inputs(folded.graph, folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
 
 
 def _key_name(key) -> str:
@@ -395,7 +403,8 @@ def _mirror_optimizer_state(inputs: _Inputs, annotations: Mapping[int, Sharding]
     return out
 
 
-def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: float, ranked: list[Candidate], limit: int) -> Plan:
+def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: float, ranked: list[Candidate], limit: int,
+             timing: str = "") -> Plan:
     g = inputs.graph
     specs = [_spec(best.propagation.of(v, len(g.values[v].shape))) for v in inputs.ids]
     it = iter(specs)
@@ -412,7 +421,7 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: floa
             runners.append(r)
     notes = (f"chosen: {best.line()}",) + tuple(
         f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
-        for r in sorted(runners, key=lambda r: r.cost.total_seconds))
+        for r in sorted(runners, key=lambda r: r.cost.total_seconds)) + ((timing,) if timing else ())
     mesh = {k: v for k, v in best.mesh.items() if v > 1} or {"data": 1}
     return Plan(mesh=mesh, in_specs=in_specs, out_specs=out_specs, cost=cost, search_seconds=seconds,
                 devices=devices, notes=notes)

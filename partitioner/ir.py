@@ -51,7 +51,7 @@ class Value:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "key" else 8 * math.prod(self.shape)
 
@@ -88,6 +88,7 @@ class Graph:
     out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
     _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies times their trips); of one primitive if named."""
@@ -119,8 +120,9 @@ def capture(fn, *args) -> Graph:
 class _Builder:
     def __init__(self):
         self.values: list[Value] = []
-        self.ops: list[Op] = []
+        self.ops: list[tuple] = []  # Op fields but the id, given once dead ops are dropped
         self.unknown: dict[str, int] = {}
+        self.memo: dict[tuple, tuple] = {}
 
     def build(self, jaxpr, paths: Sequence[str]) -> Graph:
         env: dict[Any, int] = {}
@@ -157,22 +159,36 @@ class _Builder:
                 for var, out in zip(eqn.outvars, inner.outvars):
                     env[var] = self._read(sub_env, out)
                 continue
-            operands = tuple(self._read(env, a) for a in eqn.invars)
+            operands = tuple(-1 if type(a) is jcore.Literal else env[a] for a in eqn.invars)
             results = tuple(self._bind(env, v) for v in eqn.outvars)
-            in_shapes = [tuple(a.aval.shape) for a in eqn.invars]
-            out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+            in_shapes = tuple(tuple(a.aval.shape) for a in eqn.invars)
+            out_shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
             body, trips = self._body(eqn)
-            rule = RULES.get(eqn.primitive.name)
+            name = eqn.primitive.name
+            rule = RULES.get(name)
             if rule is None:
-                if eqn.primitive.name not in ELEMENTWISE:
+                if name not in ELEMENTWISE:
                     if body is None:
-                        self.unknown[eqn.primitive.name] = self.unknown.get(eqn.primitive.name, 0) + 1
+                        self.unknown[name] = self.unknown.get(name, 0) + 1
                     rule = _opaque if body is None else _control_flow
                 else:
                     rule = _elementwise
-            factors, op_dims, res_dims, flops = rule(eqn, in_shapes, out_shapes)
-            self.ops.append(Op(len(self.ops), eqn.primitive.name, operands, results, tuple(factors),
-                               tuple(op_dims), tuple(res_dims), float(flops), body, trips))
+            self.ops.append((name, operands, results, *self._factors(rule, eqn, in_shapes, out_shapes), body, trips))
+
+    def _factors(self, rule, eqn, in_shapes, out_shapes):
+        """The rule's answer, memoised: a 96-layer model asks the same question 96 times."""
+        try:
+            key = (rule, eqn.primitive.name, in_shapes, out_shapes, tuple(sorted(eqn.params.items())) if rule is not _elementwise else ())
+            hash(key)
+        except TypeError:  # unhashable params (a jaxpr, an array): no memo
+            key = None
+        if key is not None and key in self.memo:
+            return self.memo[key]
+        factors, op_dims, res_dims, flops = rule(eqn, list(in_shapes), list(out_shapes))
+        answer = (tuple(factors), tuple(op_dims), tuple(res_dims), float(flops))
+        if key is not None:
+            self.memo[key] = answer
+        return answer
 
     def _body(self, eqn):
         name = eqn.primitive.name
@@ -190,16 +206,16 @@ def _dtype_name(dtype) -> str:
     return "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
 
-def _live_ops(ops: list[Op], outputs: list[int]) -> list[Op]:
+def _live_ops(ops: list[tuple], outputs: list[int]) -> list[Op]:
     """Drop ops whose results nothing needs (a loss computed under `grad` but not returned):
     XLA removes them too, and their collectives would be priced for nothing."""
     needed = {v for v in outputs if v >= 0}
     keep = []
     for op in reversed(ops):
-        if any(r in needed for r in op.results):
+        if any(r in needed for r in op[2]):
             keep.append(op)
-            needed.update(v for v in op.operands if v >= 0)
-    return [dataclasses.replace(op, id=i) for i, op in enumerate(reversed(keep))]
+            needed.update(v for v in op[1] if v >= 0)
+    return [Op(i, *op) for i, op in enumerate(reversed(keep))]
 
 
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",

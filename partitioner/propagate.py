@@ -63,18 +63,21 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
         for v in op.operands + op.results:
             if v >= 0:
                 touching.setdefault(v, []).append(op.id)
-    for stage in stages:
+    info = _op_info(graph)
+    for n, stage in enumerate(stages):
         shardings.update(stage)
         fixed |= set(stage)
+        new = {o for v in stage for o in touching.get(v, ())} if n else {op.id for op in graph.ops}
         for strict in (True, False):
-            dirty = {op.id for op in graph.ops}
+            # Monotone: only ops next to a new annotation, then only the broadcasts held back.
+            dirty = new if strict else {op.id for op in graph.ops if info[op.id].broadcasting}
             for sweep in range(max_sweeps):
                 order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
                 changed: set[int] = set()
                 for op in order:
                     if op.id in dirty:
                         dirty.discard(op.id)
-                        for v in _step(graph, op, shardings, fixed, factor_axes[op.id], mesh, sweep % 2 == 0, strict):
+                        for v in _step(graph, op, info[op.id], shardings, fixed, factor_axes[op.id], mesh, sweep % 2 == 0, strict):
                             changed.add(v)
                             dirty.update(touching[v])  # only ops that see a changed value can change anything
                 if not changed:
@@ -82,44 +85,60 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
     return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
 
 
-def _sides(op: Op, forward: bool):
-    operands = list(zip(op.operands, op.operand_dims))
-    results = list(zip(op.results, op.result_dims))
-    return operands + results if forward else results + operands
+@dataclasses.dataclass(frozen=True)
+class _OpInfo:
+    forward: tuple  # (value, dims) operands then results
+    backward: tuple  # results then operands
+    by_size: tuple  # (value, dims, nbytes), largest first (forward order among equals)
+    by_size_backward: tuple
+    largest: int
+    broadcasting: bool
 
 
-def _step(graph: Graph, op: Op, shardings, fixed, assigned: dict, mesh, forward: bool, strict: bool) -> list[int]:
+def _op_info(graph: Graph) -> list[_OpInfo]:
+    if graph._op_info is None:
+        out = []
+        for op in graph.ops:
+            fwd = tuple(zip(op.operands, op.operand_dims)) + tuple(zip(op.results, op.result_dims))
+            bwd = tuple(zip(op.results, op.result_dims)) + tuple(zip(op.operands, op.operand_dims))
+            size = lambda v: graph.values[v].nbytes if v >= 0 else 0
+            ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))
+            by_size = ranked(fwd)
+            out.append(_OpInfo(fwd, bwd, by_size, ranked(bwd), by_size[0][2] if by_size else 0, op.primitive in _BROADCASTING))
+        graph._op_info = out
+    return graph._op_info
+
+
+def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict, mesh, forward: bool, strict: bool) -> list[int]:
     # The largest values choose first, and in the first (strict) pass a value broadcast into a
     # larger elementwise op chooses nothing: a layer norm's sharded scale must not split the
     # activations it scales along the hidden dimension before the batch's sharding arrives
     # (GSPMD likewise propagates through broadcasts last).
-    sides = sorted(_sides(op, forward), key=lambda s: -graph.values[s[0]].nbytes if s[0] >= 0 else 0)
-    largest = graph.values[sides[0][0]].nbytes if sides and sides[0][0] >= 0 else 0
-    gated = strict and op.primitive in _BROADCASTING
-    for value, dims in sides:
-        if value < 0 or value not in shardings:
-            continue
-        if gated and graph.values[value].nbytes < largest:
+    gated = strict and info.broadcasting
+    for value, dims, nbytes in (info.by_size if forward else info.by_size_backward):
+        if value not in shardings or (gated and nbytes < info.largest):
             continue
         for axes, factors in zip(shardings[value], dims):
             if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
                 if not any(set(axes) & set(a) for a in assigned.values()):
                     assigned[factors[0]] = tuple(axes)
+    if not assigned:
+        return []
     changed = []
-    for value, dims in _sides(op, forward):
+    for value, dims in (info.forward if forward else info.backward):
         if value < 0 or value in fixed:
             continue
-        rank = len(graph.values[value].shape)
-        if len(dims) != rank:
+        shape = graph.values[value].shape
+        if len(dims) != len(shape):
             continue
-        current = shardings.get(value, ((),) * rank)
+        current = shardings.get(value, ((),) * len(shape))
         proposed = list(current)
         used = {a for axes in current for a in axes}
         for d, factors in enumerate(dims):
             if proposed[d] or not factors or factors[0] not in assigned:
                 continue
             axes = assigned[factors[0]]
-            if not used & set(axes) and _fits(graph.values[value].shape[d], axes, mesh):
+            if not used & set(axes) and _fits(shape[d], axes, mesh):
                 proposed[d] = axes
                 used |= set(axes)
         if tuple(proposed) != current:
