@@ -24,6 +24,12 @@ def llama():
     return build()  # d 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocab 32000, 2 layers, batch 8 x 1024
 
 
+def moe(**kw):
+    from examples.moe import moe as build
+
+    return build(**kw)  # d 2048, 16 heads, 8 experts of 2048 x 8192, vocab 32000, 2 layers, batch 8 x 1024
+
+
 TARGETS = {
     "mlp-small-weights": lambda: mlp(256, 1024, 2, 65536),
     "mlp-1k": lambda: mlp(1024, 4096, 2, 4096),
@@ -32,4 +38,6 @@ TARGETS = {
     "gpt-example": lambda: gpt(128, 4, 512, 256, 64, 2, 24),
     "gpt-d8192": lambda: gpt(8192, 64, 32768, 32768, 1024, 2, 8),
     "llama-gqa-swiglu": llama,
+    "moe-8x": moe,
+    "moe-64x": lambda: moe(d=1024, heads=8, experts=64, ff=4096, vocab=32000, layers=2, batch=8, seq=1024),
 }

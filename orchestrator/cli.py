@@ -22,11 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("target")
     plan.add_argument("--devices", type=int, required=True)
     plan.add_argument("--hardware", default="h100")
-    plan.add_argument("--level", default="fast", choices=("fast", "thorough"))
+    plan.add_argument("--level", default="fast", choices=("fast", "thorough"),
+                      help="fast: tactics (dp, fsdp, Megatron, experts) on data x model meshes within a host; "
+                           "thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split")
     plan.add_argument("--json", action="store_true")
-    plan.add_argument("--planner", default="first", choices=("first", "tactics"),
-                      help="first: data parallel or FSDP from shapes (the orchestrator's, for now); "
-                           "tactics: dp, fsdp, Megatron, experts searched over the program's factor graph")
+    plan.add_argument("--planner", default="search", choices=("search", "shapes"),
+                      help="search: the factor-graph search (what jobs use); shapes: data parallel or FSDP from shapes alone")
     plan.add_argument("--verify", action="store_true",
                       help="also compile the plan (on N fake CPU devices unless N devices exist) and show what XLA does")
 
@@ -86,13 +87,12 @@ def _plan(args) -> int:
         # Before jax is imported: lets a machine without N accelerators compile the plan on CPU.
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     import partitioner
-    from partitioner.automap import search
 
     sys.path.insert(0, os.getcwd())
     module, _, attr = args.target.partition(":")
     fn, fargs = getattr(importlib.import_module(module), attr)()
-    if args.planner == "tactics":
-        p, _ = search(fn, *fargs, devices=args.devices, hardware=args.hardware)
+    if args.planner == "shapes":
+        p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=args.hardware)
     else:
         p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=args.hardware, level=args.level)
     if args.json:

@@ -6,7 +6,7 @@
     global_batch = 24
     seed = 0                       # optional
     hardware = "cpu"               # optional: the profile plans are priced with (h100, tpu-v5p, ...)
-    planner = "first"              # optional: "first" (dp/fsdp from shapes) or "tactics" (factor-graph search)
+    planner = "fast"               # optional: the search's level, "fast" or "thorough"; or "shapes" (dp/fsdp from shapes)
     [hosts]
     min = 2
     max = 4
@@ -56,16 +56,16 @@ class JobSpec:
     checkpoint: CheckpointSpec
     seed: int = 0
     hardware: str = "cpu"
-    planner: str = "first"
+    planner: str = "fast"
 
     def with_checkpoint_dir(self, path: str) -> "JobSpec":
         return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))
 
 
-PLANNERS = ("first", "tactics")
+PLANNERS = ("fast", "thorough", "shapes")
 
 _SCHEMA: dict[str, Any] = {
-    "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"), "planner": (str, "first"),
+    "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"), "planner": (str, "fast"),
     "hosts": {"min": int, "max": int, "devices_per_host": int},
     "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0)},
 }

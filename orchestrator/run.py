@@ -28,11 +28,9 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
     fingerprint = program_fingerprint(job.program, state, batch)
 
     def planner(devices: int):
-        if job.planner == "tactics":
-            from partitioner.automap import search
-
-            return search(program.step, state, batch, devices=devices, hardware=job.hardware)[0]
-        return partitioner.plan(program.step, state, batch, devices=devices, hardware=job.hardware)
+        if job.planner == "shapes":
+            return partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware=job.hardware)
+        return partitioner.plan(program.step, state, batch, devices=devices, hardware=job.hardware, level=job.planner)
 
     config = config or ControllerConfig()
     pythonpath = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)

@@ -16,7 +16,8 @@ Tactics, on each mesh:
               read from the graph rather than from layer names
     megatron+fsdp  both, the weights' other dimension over data
     expert    weights whose leading dimension is a batch factor of their matmul (stacked experts)
-              split over model on it
+              split over model on it, the rest replicated (expert x data parallelism)
+    expert+megatron  experts so, the other weights as Megatron splits them
 On a mesh with seq > 1 every tactic is also sequence (context) parallel: activations are split
 along the sequence, and attention gathers keys and values, as propagation finds.
 
@@ -31,6 +32,7 @@ Optimizer state follows its parameter (same shape, same path below its container
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Collection, Mapping, Sequence
 
@@ -74,7 +76,21 @@ class _Inputs:
 
 
 LEVELS = ("fast", "thorough")
-TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "exact")
+TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "expert+megatron", "exact")
+
+
+def plan(fn, *args, devices, hardware: str | Hardware = "h100", memory_limit: int | None = None, level: str = "fast",
+         batch_argnums: Sequence[int] | None = None) -> Plan:
+    """The best plan found for `fn(*args)` on `devices` (a count or a list of devices).
+
+    Example:
+        >>> p = plan(train_step, state, batch, devices=8, hardware="h100")
+        >>> p.mesh, p.notes[0]
+    """
+    n = devices if isinstance(devices, int) else len(devices)
+    if n < 1:
+        raise PlanInputError(f"devices must be at least 1, got {n}")
+    return search(fn, *args, devices=n, hardware=hardware, memory_limit=memory_limit, level=level, batch_argnums=batch_argnums)[0]
 
 
 def search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_limit: int | None = None,
@@ -207,6 +223,7 @@ def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candid
         ep = _experts(inputs, mesh)
         if ep:
             plans["expert"] = {**batch, **ep}
+            plans["expert+megatron"] = {**batch, **_megatron(inputs, mesh, batch, preset=ep)}
     out = []
     for name, annotations in plans.items():
         if mesh["model"] > 1 and not any("model" in axes for sh in annotations.values() for axes in sh):
@@ -346,13 +363,19 @@ def _weights_in_order(inputs: _Inputs) -> list[tuple[Any, int, int]]:
     return out
 
 
-def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding]) -> dict[int, Sharding]:
-    """Decide weights in program order, propagating after each decision. The graph is folded, so
-    a repeated layer's weights are decided once for every copy (TAP)."""
+def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding],
+              preset: Mapping[int, Sharding] | None = None) -> dict[int, Sharding]:
+    """Decide weights in program order, propagating after each decision; weights in `preset`
+    (stacked experts) take the sharding given there. The graph is folded, so a repeated layer's
+    weights are decided once for every copy (TAP)."""
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
     prop = propagate(g, {**batch}, mesh)
     for op, k, w in _weights_in_order(inputs):
+        if preset and w in preset:
+            chosen[w] = preset[w]
+            prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
+            continue
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         x_sharding = prop.of(other, len(g.values[other].shape)) if other >= 0 else ()
@@ -419,7 +442,10 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: floa
         if r.tactic not in seen:
             seen.add(r.tactic)
             runners.append(r)
-    notes = (f"chosen: {best.line()}",) + tuple(
+    used = math.prod(best.mesh.values())
+    lost = (f"using {used} of {devices} devices: the batch does not divide by "
+            + ", ".join(str(k) for k in range(devices, used, -1)),) if used < devices else ()
+    notes = (f"chosen: {best.line()}",) + lost + tuple(
         f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
         for r in sorted(runners, key=lambda r: r.cost.total_seconds)) + ((timing,) if timing else ())
     mesh = {k: v for k, v in best.mesh.items() if v > 1} or {"data": 1}

@@ -7,8 +7,9 @@ with no such dimension stays replicated. The plan uses as many devices as any us
 then plain data parallelism if the replicated state fits the memory limit, else the smallest FSDP
 degree that fits; the notes say what was given up and why. The cost is predicted, not searched.
 
-This is deliberately simple: it reads shapes, not the computation. The full search (tensor,
-sequence and expert parallelism over a partitioning IR) replaces it behind the same `plan` call.
+This is deliberately simple: it reads shapes, not the computation. `partitioner.plan` is the full
+search (`automap.py`); this one stays as `plan_by_shapes`, a baseline and a job file's
+`planner = "shapes"`.
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ class _Candidate:
         return {k: v for k, v in axes.items() if v > 1} or {"data": 1}
 
 
-def plan(fn, *args, devices, hardware="h100", memory_limit=None, level="fast", batch_argnums=None) -> Plan:
-    """Plan `fn(*args)` for `devices` (a count or a list of devices).
+def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, level="fast", batch_argnums=None) -> Plan:
+    """Plan `fn(*args)` for `devices` (a count or a list of devices) from shapes alone.
 
     Example:
-        >>> p = plan(train_step, state, batch, devices=6, hardware="h100")
+        >>> p = plan_by_shapes(train_step, state, batch, devices=6, hardware="h100")
         >>> p.mesh, p.notes
         ({'data': 6}, ())
     """

@@ -41,7 +41,7 @@ def test_plan_command_explains_its_choice(capsys):
 
 
 def test_plan_with_tactics_recovers_megatron_and_verifies_it(capsys, devices8):
-    assert main(["plan", "examples.gpt.model:plan_target_large", "--devices", "8", "--planner", "tactics", "--verify"]) == 0
+    assert main(["plan", "examples.gpt.model:plan_target_large", "--devices", "8", "--verify"]) == 0
     out = capsys.readouterr().out
     assert "note: chosen: megatron" in out and "note: runner-up: " in out
     assert "compiled by XLA:" in out and "all-reduce bytes" in out

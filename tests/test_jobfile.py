@@ -28,7 +28,7 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
     job = parse_job(GOOD, base_dir=str(tmp_path))
     assert job.steps == 10 and job.seed == 0 and job.hardware == "cpu" and job.checkpoint.keep == 3
     assert job.checkpoint.keep_every == 0 and parse_job(with_(checkpoint__keep_every=100)).checkpoint.keep_every == 100
-    assert job.planner == "first" and parse_job(with_(planner="tactics")).planner == "tactics"
+    assert job.planner == "fast" and parse_job(with_(planner="thorough")).planner == "thorough"
     assert job.checkpoint.dir == str(tmp_path / "ck")
     assert job.hosts.devices_per_host == 2
 
@@ -45,7 +45,7 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
     ({"hosts__min": 3}, ["1 <= min <= max", "min=3 max=2"]),
     ({"steps": 0}, ["steps must be positive"]),
     ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
-    ({"planner": "greedy"}, ["key planner must be one of ('first', 'tactics'), got 'greedy'"]),
+    ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
 ])
 def test_bad_job_files_name_the_key(changes, words):
     with pytest.raises(JobFileError) as e:

@@ -20,7 +20,7 @@ def gpt():
 @pytest.mark.parametrize("devices, used", [(8, 8), (7, 6), (6, 6), (5, 4), (1, 1)])
 def test_uses_the_most_devices_that_divide_the_batch(gpt, devices, used):
     program, state, batch = gpt
-    plan = partitioner.plan(program.step, state, batch, devices=devices, hardware="cpu")
+    plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
     assert plan.devices_used == used and plan.mesh == {"data": used}
     if used < devices:
         assert plan.notes and f"using {used} of {devices} devices" in plan.notes[0]
@@ -32,15 +32,15 @@ def test_uses_the_most_devices_that_divide_the_batch(gpt, devices, used):
 
 def test_shards_parameters_when_replicated_state_does_not_fit(gpt):
     program, state, batch = gpt
-    dp = partitioner.plan(program.step, state, batch, devices=8, hardware="cpu")
+    dp = partitioner.plan_by_shapes(program.step, state, batch, devices=8, hardware="cpu")
     limit = dp.cost.peak_bytes_per_device // 2
-    plan = partitioner.plan(program.step, state, batch, devices=8, hardware="cpu", memory_limit=limit)
+    plan = partitioner.plan_by_shapes(program.step, state, batch, devices=8, hardware="cpu", memory_limit=limit)
     assert plan.mesh.get("fsdp", 1) > 1 and plan.cost.peak_bytes_per_device <= limit
     wte = plan.specs_like(state, argnum=0)["params"]["wte"]
     assert "fsdp" in wte
     assert any("FSDP" in n for n in plan.notes)
     with pytest.raises(partitioner.PlanMemoryError, match=r"over\. Add devices"):
-        partitioner.plan(program.step, state, batch, devices=8, hardware="cpu", memory_limit=1000)
+        partitioner.plan_by_shapes(program.step, state, batch, devices=8, hardware="cpu", memory_limit=1000)
 
 
 def test_plan_round_trips_through_json_and_rejects_other_trees(gpt):

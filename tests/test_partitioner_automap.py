@@ -77,7 +77,7 @@ def test_the_chosen_plan_compiles_to_the_predicted_collectives(devices8):
     assert total_p > 0 and total_c == pytest.approx(total_p, rel=0.10), (plan.notes[0], predicted, compiled)
 
 
-def test_repeated_layers_copy_the_first_layers_decisions():
+def test_repeated_layers_share_the_first_layers_decisions():
     from examples.gpt.model import GPTConfig, make_program
     from orchestrator import check_program
 
@@ -85,6 +85,48 @@ def test_repeated_layers_copy_the_first_layers_decisions():
     state, batch = check_program(program, 8)
     plan, _ = search(program.step, state, batch, devices=8, hardware="h100")
     layers = plan.in_specs[0]["params"]["layers"]
-    for layer in layers:  # layers 1-3 took layer 0's decisions without propagating again
+    for layer in layers:  # one folded layer planned for all four
         assert (layer["attn"]["wq"], layer["attn"]["wo"], layer["mlp"]["w1"], layer["mlp"]["w2"]) == \
             (P(None, "model"), P("model"), P(None, "model"), P("model")), layer
+
+
+def test_the_moe_example_weighs_expert_parallelism_and_splits_experts():
+    from examples.targets import TARGETS
+
+    fn, args = TARGETS["moe-8x"]()
+    plan, ranked = search(fn, *args, devices=8, hardware="h100")
+    tactics = {c.tactic for c in ranked}
+    assert {"expert", "expert+megatron", "megatron"} <= tactics, tactics
+    if plan.notes[0].split()[1].startswith("expert"):
+        w_in = plan.in_specs[0]["params"]["layers"][0]["w_in"]
+        assert w_in == P("model"), w_in  # 8 experts over the model axis
+
+
+def test_thorough_adds_sequence_meshes_and_the_exact_solver_and_is_never_worse():
+    step, state, x = residual_mlp(2048, 8192, 2, 8192)
+    fast, fast_ranked = search(step, state, x, devices=8, hardware="h100", level="fast")
+    slow, ranked = search(step, state, x, devices=8, hardware="h100", level="thorough")
+    assert {c.mesh["seq"] for c in fast_ranked} == {1}
+    seq = [c for c in ranked if c.mesh["seq"] > 1]
+    assert seq and all(c.tactic.endswith("+sequence") for c in seq)
+    assert any(c.tactic.startswith("exact") for c in ranked)
+    assert slow.cost.total_seconds <= fast.cost.total_seconds * (1 + 1e-9)
+    assert any("level thorough" in n for n in slow.notes) and any("level fast" in n for n in fast.notes)
+
+
+def test_sequence_parallel_splits_the_tokens_dimension():
+    step, state, x = residual_mlp(2048, 8192, 2, 8192)  # x: (8, 1024, 2048)
+    _, ranked = search(step, state, x, devices=8, hardware="h100", level="thorough", tactics=("dp",))
+    c = next(c for c in ranked if c.mesh == {"data": 2, "seq": 4, "model": 1})
+    xs = [s for v, s in c.annotations.items() if len(s) == 3 and s[0] == ("data",)]
+    assert xs == [(("data",), ("seq",), ())], xs
+
+
+def test_unknown_tactics_and_levels_are_refused_with_the_choices():
+    from partitioner import PlanInputError
+
+    step, state, x = residual_mlp(256, 1024, 1, 1024)
+    with pytest.raises(PlanInputError, match="expected some of"):
+        search(step, state, x, devices=8, tactics=("pipeline",))
+    with pytest.raises(PlanInputError, match="level must be one of"):
+        search(step, state, x, devices=8, level="exhaustive")

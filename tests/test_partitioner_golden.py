@@ -16,7 +16,7 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
 CASES = [("llama-gqa-swiglu", 8, "h100"), ("gpt-d8192", 8, "h100"), ("gpt-example", 8, "h100"), ("gpt-example", 6, "cpu"),
-         ("mlp-small-weights", 8, "h100"), ("mlp-8k", 8, "h100"), ("mlp-8k", 8, "tpu-v5e")]
+         ("mlp-small-weights", 8, "h100"), ("mlp-8k", 8, "h100"), ("mlp-8k", 8, "tpu-v5e"), ("moe-8x", 8, "h100")]
 
 
 @pytest.mark.parametrize("model, devices, hardware", CASES, ids=lambda x: str(x))

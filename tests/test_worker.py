@@ -15,7 +15,7 @@ from orchestrator.worker import SegmentSpec, run_segment
 pytestmark = pytest.mark.fake_devices
 
 
-def spec(tmp_path, devices, steps, planner="first"):
+def spec(tmp_path, devices, steps, planner="shapes"):
     from examples.gpt.model import program
     from partitioner.automap import search
 
@@ -25,7 +25,7 @@ def spec(tmp_path, devices, steps, planner="first"):
     elif planner == "tactics":
         plan = search(program.step, state, batch, devices=devices, hardware="cpu")[0]
     else:
-        plan = partitioner.plan(program.step, state, batch, devices=devices, hardware="cpu")
+        plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
     return SegmentSpec(program="examples.gpt.model:program", steps=steps, global_batch=24, seed=0,
                        checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2), plan_json=plan.to_json(),
                        coordinator="", num_processes=1, process_id=0)

@@ -1,0 +1,68 @@
+"""Folding (TAP): a model's repeated layers, mirrored optimizer state and per-leaf update chains
+collapse onto one representative, so the search's graph does not grow with depth, and pricing the
+folded graph gives what pricing the unrolled one gives."""
+import pytest
+
+from examples.targets import gpt, mlp
+from partitioner.automap import _inputs, search
+from partitioner.cost import estimate
+from partitioner.fold import fold
+from partitioner.hardware import profile
+from partitioner.ir import capture
+from partitioner.propagate import propagate
+
+pytestmark = pytest.mark.unit
+
+
+def folded_ops(layers):
+    step, args = gpt(256, 4, 1024, 512, 64, layers, 8)
+    inputs = _inputs(step, args, None)
+    return len(inputs.graph.ops), inputs.fold.original_ops
+
+
+def test_the_folded_graph_does_not_grow_with_depth():
+    (two, unrolled_two), (eight, unrolled_eight) = folded_ops(2), folded_ops(8)
+    assert unrolled_eight > 3 * unrolled_two
+    assert abs(eight - two) <= 0.1 * two, (two, eight)  # the same layer; the norm's chain folds a little differently
+
+
+def test_folded_pricing_matches_the_unrolled_graph():
+    h100 = profile("h100")
+    step, args = mlp(1024, 4096, 4, 4096)
+    graph = capture(step, *args)
+    inputs = _inputs(step, args, None)
+    leaves = graph.inputs[len(graph.inputs) - len(inputs.keys):]
+    mesh = {"data": 2, "seq": 1, "model": 4}
+    w1 = [v for v, k in zip(leaves, inputs.keys) if k[:1] == ("params",) and k[-1] == "w1"]
+    w2 = [v for v, k in zip(leaves, inputs.keys) if k[:1] == ("params",) and k[-1] == "w2"]
+    x = leaves[-1]
+    ann = {x: (("data",), (), ()), **{w: ((), ("model",)) for w in w1}, **{w: (("model",), ()) for w in w2}}
+    full = estimate(graph, propagate(graph, ann, mesh), mesh, h100)
+    f = inputs.fold
+    reps = {f.of(v): s for v, s in ann.items()}
+    assert len({f.of(w) for w in w1}) == 1 and len({f.of(w) for w in w2}) == 1  # four layers, one class each
+    folded = estimate(f.graph, propagate(f.graph, reps, mesh), mesh, h100, f)
+    assert folded.collective_bytes == full.collective_bytes
+    assert folded.peak_bytes_per_device == full.peak_bytes_per_device
+    assert folded.total_seconds == pytest.approx(full.total_seconds, rel=1e-6)
+
+
+def test_mirrored_optimizer_state_joins_its_parameters_class():
+    step, args = gpt(256, 4, 1024, 512, 64, 3, 8)
+    graph = capture(step, *args)
+    inputs = _inputs(step, args, None)
+    by_key = dict(zip(inputs.keys, inputs.ids))
+    mu = [by_key[("opt", "0", "mu", "layers", str(i), "attn", "wq")] for i in range(3)]
+    assert len(set(mu)) == 1
+    assert by_key[("params", "layers", "2", "attn", "wq")] == by_key[("params", "layers", "0", "attn", "wq")]
+    assert by_key[("params", "layers", "0", "attn", "wq")] != by_key[("params", "layers", "0", "attn", "wk")]
+
+
+def test_a_deep_model_plans_like_a_shallow_one():
+    step2, args2 = gpt(2048, 16, 8192, 4096, 256, 2, 8)
+    step6, args6 = gpt(2048, 16, 8192, 4096, 256, 6, 8)
+    p2, _ = search(step2, *args2, devices=8, hardware="h100")
+    p6, _ = search(step6, *args6, devices=8, hardware="h100")
+    assert p2.mesh == p6.mesh and p2.notes[0].split()[1] == p6.notes[0].split()[1]
+    layer2, layer6 = p2.in_specs[0]["params"]["layers"], p6.in_specs[0]["params"]["layers"]
+    assert all(layer6[i] == layer2[0] for i in range(6))
