@@ -30,7 +30,7 @@ def moe(d=2048, heads=16, experts=8, ff=8192, vocab=32000, layers=2, batch=8, se
         probs = jax.nn.softmax(x @ p["router"], axis=-1)  # [g, s, e]
         choice = jax.nn.one_hot(jnp.argmax(probs, axis=-1), experts, dtype=x.dtype)
         position = jnp.cumsum(choice, axis=1) * choice - 1.0  # place in its expert's queue
-        dispatch = jax.nn.one_hot(position, capacity, dtype=x.dtype) * choice[..., None]  # [g, s, e, c]
+        dispatch = jax.nn.one_hot(position.astype(jnp.int32), capacity, dtype=x.dtype) * choice[..., None]  # [g, s, e, c]
         combine = dispatch * jnp.max(probs, axis=-1)[..., None, None]
         xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)
         h = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", xe, p["w_in"]))

@@ -32,6 +32,7 @@ Optimizer state follows its parameter (same shape, same path below its container
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from typing import Any, Collection, Mapping, Sequence
@@ -93,7 +94,22 @@ def plan(fn, *args, devices, hardware: str | Hardware = "h100", memory_limit: in
     return search(fn, *args, devices=n, hardware=hardware, memory_limit=memory_limit, level=level, batch_argnums=batch_argnums)[0]
 
 
-def search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_limit: int | None = None,
+def search(fn, *args, **kwargs) -> tuple[Plan, list[Candidate]]:
+    """The cheapest plan that fits, and every candidate priced (best first); see `_search`.
+
+    The cyclic garbage collector is paused meanwhile: the search allocates many small objects
+    while an unrolled graph of ~10^5 ops is alive, and each full collection would walk all of it.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(fn, *args, **kwargs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_limit: int | None = None,
            batch_argnums: Sequence[int] | None = None, level: str = "fast",
            tactics: Collection[str] | None = None) -> tuple[Plan, list[Candidate]]:
     """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits

@@ -68,6 +68,7 @@ class Op:
     flops: float
     body: "Graph | None" = None  # scan / while / cond: the captured body (first branch for cond)
     trips: int = 1  # how many times the body runs (scan length; 1 when unknown)
+    sig: Any = None  # equal for ops the capture built from the same rule, shapes and params (cheap to hash)
 
     def signature(self, values: Sequence[Value]) -> tuple:
         """Equal for the same computation on the same shapes, whatever the value ids: used to
@@ -173,7 +174,8 @@ class _Builder:
                     rule = _opaque if body is None else _control_flow
                 else:
                     rule = _elementwise
-            self.ops.append((name, operands, results, *self._factors(rule, eqn, in_shapes, out_shapes), body, trips))
+            factors, op_dims, res_dims, flops, sig = self._factors(rule, eqn, in_shapes, out_shapes)
+            self.ops.append((name, operands, results, factors, op_dims, res_dims, flops, body, trips, sig if body is None else None))
 
     def _factors(self, rule, eqn, in_shapes, out_shapes):
         """The rule's answer, memoised: a 96-layer model asks the same question 96 times."""
@@ -185,10 +187,12 @@ class _Builder:
         if key is not None and key in self.memo:
             return self.memo[key]
         factors, op_dims, res_dims, flops = rule(eqn, list(in_shapes), list(out_shapes))
+        # The memo entry's number is a signature: equal rule, shapes and params give equal ops.
         answer = (tuple(factors), tuple(op_dims), tuple(res_dims), float(flops))
         if key is not None:
-            self.memo[key] = answer
-        return answer
+            answer = self.memo[key] = answer + (("memo", len(self.memo)),)
+            return answer
+        return answer + (None,)
 
     def _body(self, eqn):
         name = eqn.primitive.name
@@ -573,7 +577,8 @@ def signature_ids(graph: Graph) -> list[int]:
     """Per op, an integer equal for ops with equal `Op.signature` (computed once per graph)."""
     if graph._signature_ids is None:
         ids: dict[tuple, int] = {}
-        graph._signature_ids = [ids.setdefault(op.signature(graph.values), len(ids)) for op in graph.ops]
+        graph._signature_ids = [ids.setdefault(op.sig if op.sig is not None else op.signature(graph.values), len(ids))
+                                for op in graph.ops]
     return graph._signature_ids
 
 

@@ -1,0 +1,101 @@
+"""The search's plans against exhaustive search over the same space, measured by the compiler.
+
+    .venv/bin/python benchmarks/plan_vs_exhaustive.py [MODEL ...]
+
+The space, on 8 devices: every (data, model) mesh; on each, every weight of the folded graph
+(a repeated layer's weights decided once for all layers, as the search decides them) either
+replicated or split over model along one of its dimensions that divides, each assignment with and
+without FSDP on the data axis; plus data parallelism and FSDP on data=8. Every point is priced by
+the cost model. Where the space is small (the MLPs: a few hundred points) every point is compiled
+with `partitioner.verify` and priced from what XLA produced (XLA's FLOPs at the h100 peak plus the
+collectives XLA inserted, alpha-beta); otherwise the exhaustive side is the best compiled cost
+among the cost model's best `TOP` points. The searched plans (`fast`, `thorough`) are compiled and
+priced the same way.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOP = 12
+COMPILE_ALL_BELOW = 200
+
+
+def space(fn, args):
+    """Every point of the space as (name, candidate)."""
+    from partitioner import automap
+    from partitioner.hardware import profile
+
+    hw = profile("h100")
+    inputs = automap._inputs(fn, args, None)
+    g = inputs.graph
+    weights = [w for _, _, w in automap._weights_in_order(inputs)]
+    out = []
+    for mesh in automap._meshes(8, inputs, hw, "fast"):
+        batch = automap._batch(inputs, mesh)
+        t, d = mesh["model"], mesh["data"]
+        if t == 1:
+            out.append(automap._priced(inputs, "dp", mesh, batch, hw))
+            if d > 1:
+                state = {v: s for v in automap._state(inputs) if (s := automap._fsdp(g.values[v].shape, d))}
+                out.append(automap._priced(inputs, "fsdp", mesh, {**batch, **state}, hw))
+            continue
+        options = [[None] + [k for k, n in enumerate(g.values[w].shape) if n % t == 0 and n >= t] for w in weights]
+        for choice in itertools.product(*options):
+            tp = {w: automap._split(g.values[w].shape, k, "model") for w, k in zip(weights, choice) if k is not None}
+            if not tp:
+                continue
+            out.append(automap._priced(inputs, "split", mesh, {**batch, **tp}, hw))
+            if d > 1:
+                fsdp = automap._add_fsdp(g, tp, automap._state(inputs), d)
+                out.append(automap._priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw))
+    return inputs, out
+
+
+def compiled(plan, fn, args):
+    from partitioner import verify
+
+    v = verify(plan, fn, *args, hardware="h100")
+    return v.compute_seconds + v.communication_seconds, v.peak_bytes
+
+
+def main() -> None:
+    from examples.targets import TARGETS
+    from partitioner import automap
+    from partitioner.hardware import profile
+
+    limit = profile("h100").memory_bytes
+    for name in sys.argv[1:] or ["mlp-1k", "mlp-4k", "gpt-d8192", "llama-gqa-swiglu", "moe-8x"]:
+        fn, args = TARGETS[name]()
+        t = time.perf_counter()
+        inputs, points = space(fn, args)
+        priced_s = time.perf_counter() - t
+        fitting = sorted((p for p in points if p.cost.peak_bytes_per_device <= limit), key=lambda p: p.cost.total_seconds)
+        chosen = fitting if len(fitting) <= COMPILE_ALL_BELOW else fitting[:TOP]
+        best, best_s = None, float("inf")
+        for p in chosen:
+            plan = automap._to_plan(inputs, p, args, 8, 0.0, [p], limit)
+            seconds, peak = compiled(plan, fn, args)
+            if peak <= limit and seconds < best_s:
+                best, best_s = p, seconds
+        row = {"model": name, "points": len(points), "fitting": len(fitting), "compiled": len(chosen),
+               "all_compiled": len(chosen) == len(fitting), "pricing_s": round(priced_s, 1),
+               "exhaustive": {"tactic": best.tactic, "mesh": best.mesh, "compiled_s": best_s,
+                              "model_best_s": fitting[0].cost.total_seconds}}
+        for level in ("fast", "thorough"):
+            plan, _ = automap.search(fn, *args, devices=8, hardware="h100", level=level)
+            seconds, _ = compiled(plan, fn, args)
+            row[level] = {"chosen": plan.notes[0].split()[1], "mesh": dict(plan.mesh), "compiled_s": seconds,
+                          "over_exhaustive": seconds / best_s}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    main()
