@@ -33,7 +33,7 @@ def space(fn, args):
     hw = profile("h100")
     inputs = automap._inputs(fn, args, None)
     g = inputs.graph
-    weights = [w for _, _, w in automap._weights_in_order(inputs)]
+    found = automap._weights_in_order(inputs)
     out = []
     for mesh in automap._meshes(8, inputs, hw, "fast"):
         batch = automap._batch(inputs, mesh)
@@ -44,9 +44,9 @@ def space(fn, args):
                 state = {v: s for v in automap._state(inputs) if (s := automap._fsdp(g.values[v].shape, d))}
                 out.append(automap._priced(inputs, "fsdp", mesh, {**batch, **state}, hw))
             continue
-        options = [[None] + [k for k, n in enumerate(g.values[w].shape) if n % t == 0 and n >= t] for w in weights]
+        options = [[None] + [k for k, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
         for choice in itertools.product(*options):
-            tp = {w: automap._split(g.values[w].shape, k, "model") for w, k in zip(weights, choice) if k is not None}
+            tp = {w.value: w.sharding(g, automap._split(w.shape(g), k, "model")) for w, k in zip(found, choice) if k is not None}
             if not tp:
                 continue
             out.append(automap._priced(inputs, "split", mesh, {**batch, **tp}, hw))

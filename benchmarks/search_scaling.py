@@ -4,7 +4,8 @@
 
 A GPT-3-175B-shaped decoder (d_model 12288, 96 heads, d_ff 49152, vocab 50257, sequence 2048,
 batch 128 sequences per step) written as examples/gpt writes it (an unrolled Python loop over
-layers, AdamW), at 12 to 96 layers, planned for 8, 64 and 1,024 H100s. Times, one run each:
+layers, AdamW; and with `scan_layers`, stacked layers run by jax.lax.scan), at 12 to 96 layers,
+planned for 8, 64 and 1,024 H100s. Times, one run each:
 `capture` traces the step and builds the factor graph (linear in the unrolled ops), `fold`
 recognises repeated layers and folds them, `search` is everything after (propagations, pricing,
 the ILP at `thorough`). The memory limit is lifted: without activation recomputation or pipeline
@@ -20,24 +21,25 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = [(12, 1024, "fast"), (24, 1024, "fast"), (48, 1024, "fast"), (96, 1024, "fast"),
-         (12, 8, "fast"), (96, 8, "fast"), (12, 64, "fast"), (96, 64, "fast"),
-         (12, 1024, "thorough"), (96, 1024, "thorough"), (96, 8, "thorough")]
+CASES = [(12, 1024, "fast", False), (24, 1024, "fast", False), (48, 1024, "fast", False), (96, 1024, "fast", False),
+         (12, 8, "fast", False), (96, 8, "fast", False), (12, 64, "fast", False), (96, 64, "fast", False),
+         (12, 1024, "thorough", False), (96, 1024, "thorough", False), (96, 8, "thorough", False),
+         (12, 1024, "fast", True), (96, 1024, "fast", True), (12, 1024, "thorough", True), (96, 1024, "thorough", True)]
 
 
 def main() -> None:
     from examples.targets import gpt
     from partitioner.automap import search
 
-    for layers, devices, level in CASES:
-        step, args = gpt(12288, 96, 49152, 50257, 2048, layers, 128)
+    for layers, devices, level, scan in CASES:
+        step, args = gpt(12288, 96, 49152, 50257, 2048, layers, 128, scan=scan)
         t = time.perf_counter()
         plan, ranked = search(step, *args, devices=devices, hardware="h100", level=level, memory_limit=10**15)
         total = time.perf_counter() - t
         timing = next(n for n in plan.notes if n.startswith("time:"))
         capture, fold, searched = (float(x) for x in re.findall(r"(\d+\.\d+) s", timing))
         ops = [int(x) for x in re.findall(r"\((\d+) ops\)", timing)]
-        print(json.dumps({"layers": layers, "devices": devices, "level": level, "total_s": round(total, 2),
+        print(json.dumps({"layers": layers, "scan": scan, "devices": devices, "level": level, "total_s": round(total, 2),
                           "capture_s": capture, "fold_s": fold, "search_s": searched, "plan_s": round(fold + searched, 2),
                           "ops": ops[0], "folded_ops": ops[1], "candidates": len(ranked),
                           "chosen": plan.notes[0].split("  ")[0].replace("chosen: ", "").strip(), "mesh": plan.mesh,

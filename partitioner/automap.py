@@ -283,23 +283,25 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
     next reference while it improves (at most ROUNDS times). Each answer is also priced with FSDP."""
     g, t = inputs.graph, mesh["model"]
     batch = _batch(inputs, mesh)
-    weights = [w for _, _, w in _weights_in_order(inputs)]
-    options = [[None] + [d for d, n in enumerate(g.values[w].shape) if n % t == 0 and n >= t] for w in weights]
+    found = _weights_in_order(inputs)
+    weights = [w.value for w in found]
+    options = [[None] + [d for d, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
     name = "exact" + ("+sequence" if mesh["seq"] > 1 else "")
     cache: dict[tuple, Candidate] = {}
 
     def price(choice: Sequence[int]) -> Candidate:
         key = tuple(choice)
         if key not in cache:
-            ann = {w: _split(g.values[w].shape, opts[o], "model") for w, opts, o in zip(weights, options, key) if o}
+            ann = {w.value: w.sharding(g, _split(w.shape(g), opts[o], "model")) for w, opts, o in zip(found, options, key) if o}
             cache[key] = _priced(inputs, name, mesh, {**batch, **ann}, hw)
         return cache[key]
 
-    def option_of(w: int, opts: list) -> int:
-        dims = [d for d, axes in enumerate(start.annotations.get(w, ())) if "model" in axes]
+    def option_of(w: _Weight, opts: list) -> int:
+        given = start.annotations.get(w.value, ())[1 if w.stacked else 0:]
+        dims = [d for d, axes in enumerate(given) if "model" in axes]
         return opts.index(dims[0]) if dims and dims[0] in opts else 0
 
-    ref = tuple(option_of(w, opts) for w, opts in zip(weights, options))
+    ref = tuple(option_of(w, opts) for w, opts in zip(found, options))
     out = []
     for _ in range(ROUNDS):
         answers = [price(choice) for choice in exact.k_best(_linearised(price, ref, options, limit), K_BEST)]
@@ -362,20 +364,37 @@ def _add_fsdp(g: Graph, tp: Mapping[int, Sharding], state: list[int], d: int) ->
     return out
 
 
-def _weights_in_order(inputs: _Inputs) -> list[tuple[Any, int, int]]:
-    """(matmul op, weight operand index, weight value) in program order, first use only; tables
-    read by a gather (embeddings) are left to the other tactics."""
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    op: Any  # the matmul that first reads it
+    k: int  # which operand
+    value: int  # the state input
+    stacked: bool  # read one layer at a time through a scan (its leading dimension is the layer)
+
+    def sharding(self, g: Graph, per_layer: Sharding) -> Sharding:
+        """The input's sharding for a split of what the matmul reads."""
+        return (((),) if self.stacked else ()) + tuple(per_layer)
+
+    def shape(self, g: Graph) -> tuple[int, ...]:
+        return g.values[self.op.operands[self.k]].shape
+
+
+def _weights_in_order(inputs: _Inputs) -> list[_Weight]:
+    """Matmul weights in program order, first use only, read directly or a layer at a time from
+    a scanned stack; tables read by a gather (embeddings) are left to the other tactics."""
     g = inputs.graph
-    state = {v for v, a in zip(inputs.ids, inputs.argnum) if a not in inputs.batch_argnums}
+    state = set(_state(inputs))
     gathered = {op.operands[0] for op in g.ops if op.primitive == "gather"}
+    sliced = {op.results[0]: op.operands[0] for op in g.ops if op.primitive == "scan_slice"}
     seen, out = set(), []
     for op in g.ops:
         if op.primitive != "dot_general":
             continue
         for k, v in enumerate(op.operands):
-            if v in state and v not in seen and v not in gathered and len(g.values[v].shape) >= 2:
-                seen.add(v)
-                out.append((op, k, v))
+            src = sliced.get(v, v)
+            if src in state and src not in seen and src not in gathered and len(g.values[v].shape) >= 2:
+                seen.add(src)
+                out.append(_Weight(op, k, src, src != v))
     return out
 
 
@@ -387,7 +406,8 @@ def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Shardin
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
     prop = propagate(g, {**batch}, mesh)
-    for op, k, w in _weights_in_order(inputs):
+    for weight in _weights_in_order(inputs):
+        op, k, w = weight.op, weight.k, weight.value
         if preset and w in preset:
             chosen[w] = preset[w]
             prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
@@ -402,11 +422,11 @@ def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Shardin
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.REDUCE]
         else:  # column-parallel: split an output dimension
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
-        shape = g.values[w].shape
+        shape = weight.shape(g)
         dims = [d for d in dims if shape[d] % t == 0]
         if not dims:
             continue
-        chosen[w] = tuple(("model",) if i == dims[-1] else () for i in range(len(shape)))
+        chosen[w] = weight.sharding(g, _split(shape, dims[-1], "model"))
         prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
     return chosen
 
@@ -416,12 +436,14 @@ def _experts(inputs: _Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
     stacked experts. Split them over model along it."""
     g, t = inputs.graph, mesh["model"]
     out = {}
-    for op, k, w in _weights_in_order(inputs):
+    for weight in _weights_in_order(inputs):
+        op, k = weight.op, weight.k
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         shared = {f for dims in x_dims for f in dims[:1]}
+        shape = weight.shape(g)
         for d, dims in enumerate(w_dims):
-            if dims and dims[0] in shared and op.factors[dims[0]].kind is FactorKind.PASS and g.values[w].shape[d] % t == 0:
-                out[w] = tuple(("model",) if i == d else () for i in range(len(g.values[w].shape)))
+            if dims and dims[0] in shared and op.factors[dims[0]].kind is FactorKind.PASS and shape[d] % t == 0:
+                out[weight.value] = weight.sharding(g, _split(shape, d, "model"))
                 break
     return out
 

@@ -41,7 +41,7 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
     if fold is not None:
         graph, mult, mat = fold.graph, fold.mult, fold.materialized
     else:
-        mult, mat = [1] * len(graph.ops), materialized(graph)
+        mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], materialized(graph)
     compute = sum(m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie")
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)

@@ -149,7 +149,8 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
         while op_parent[r] != r:
             r = op_parent[r]
         if r in index:  # else a constant only its folded-away readers used
-            mult[index[r]] += 1
+            op = graph.ops[o]
+            mult[index[r]] += op.trips if op.body is None else 1  # a scan body's op runs `trips` times
     ops = [dataclasses.replace(op, id=i, operands=tuple(find(v) for v in op.operands)) for i, op in enumerate(kept)]
     ties: dict[tuple[int, int], int] = {}
     for a, b, copies in pairs:

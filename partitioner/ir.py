@@ -12,9 +12,12 @@ dimension that holds it as its major factor; the factor's kind says what that co
     GATHER     the indexed dimension of a gather or scatter (an embedding's vocabulary)
     OPAQUE     cannot be sharded without moving data (a sliced, padded, sorted or concatenated dim)
 
-Calls (`jit`, `custom_jvp_call`, `custom_vjp_call`, `checkpoint`) are inlined; `scan`, `while`
-and `cond` keep their bodies as sub-graphs, captured once however many iterations they run, so a
-scanned stack of layers is planned once.
+Calls (`jit`, `custom_jvp_call`, `custom_vjp_call`, `checkpoint`) are inlined. A `scan` is inlined
+once, its ops marked to run `length` times: each scanned input is read through a `scan_slice` op
+(the stacked dimension sequential, the rest passing through), each stacked output is written by a
+`scan_stack` op, and `tie` ops join a carry's initial value, its value inside the body and its
+next value, so a scanned stack of layers is one layer to propagate and plan. `while` and `cond`
+keep their bodies as sub-graphs, priced but not sharded.
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ class Op:
     result_dims: tuple[Dims, ...]
     flops: float
     body: "Graph | None" = None  # scan / while / cond: the captured body (first branch for cond)
-    trips: int = 1  # how many times the body runs (scan length; 1 when unknown)
+    trips: int = 1  # runs per call: a scan's length for ops of its inlined body; a loop's body trips
     sig: Any = None  # equal for ops the capture built from the same rule, shapes and params (cheap to hash)
 
     def signature(self, values: Sequence[Value]) -> tuple:
@@ -92,8 +95,9 @@ class Graph:
     _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def flops(self, primitive: str | None = None) -> float:
-        """FLOPs of one call (loop bodies times their trips); of one primitive if named."""
-        return sum((op.flops if primitive in (None, op.primitive) else 0.0)
+        """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one
+        primitive if named."""
+        return sum((op.flops * (op.trips if op.body is None else 1) if primitive in (None, op.primitive) else 0.0)
                    + (op.body.flops(primitive) * op.trips if op.body else 0.0) for op in self.ops)
 
 
@@ -124,6 +128,8 @@ class _Builder:
         self.ops: list[tuple] = []  # Op fields but the id, given once dead ops are dropped
         self.unknown: dict[str, int] = {}
         self.memo: dict[tuple, tuple] = {}
+        self.sigs: dict[tuple, tuple] = {}
+        self.trips = 1  # inside an inlined scan body: how many times its ops run
 
     def build(self, jaxpr, paths: Sequence[str]) -> Graph:
         env: dict[Any, int] = {}
@@ -149,6 +155,9 @@ class _Builder:
 
     def _eqns(self, jaxpr, env) -> None:
         for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                self._scan(eqn, env)
+                continue
             inner = _inlined_jaxpr(eqn)
             if inner is not None:
                 sub_env = {}
@@ -175,7 +184,40 @@ class _Builder:
                 else:
                     rule = _elementwise
             factors, op_dims, res_dims, flops, sig = self._factors(rule, eqn, in_shapes, out_shapes)
+            trips = trips if body is not None else self.trips
             self.ops.append((name, operands, results, factors, op_dims, res_dims, flops, body, trips, sig if body is None else None))
+
+    def _scan(self, eqn, env) -> None:
+        body = eqn.params["jaxpr"]
+        nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], int(eqn.params["length"])
+        outer = [-1 if type(a) is jcore.Literal else env[a] for a in eqn.invars]
+        inner = body.jaxpr.invars
+        sub = {var: self._new_value(jcore.get_aval(c)) for var, c in zip(body.jaxpr.constvars, body.consts)}
+        for var, v in zip(inner[:nc], outer[:nc]):
+            sub[var] = v
+        carries = []
+        for var, v in zip(inner[nc:nc + nk], outer[nc:nc + nk]):
+            sub[var] = self._new_value(var.aval)
+            carries.append(sub[var])
+            self._raw("tie", (v, sub[var]), (), *_tied(var.aval.shape))
+        for var, v in zip(inner[nc + nk:], outer[nc + nk:]):
+            sub[var] = self._new_value(var.aval)
+            self._raw("scan_slice", (v,), (sub[var],), *_stacked(tuple(var.aval.shape), length, stacked_result=False))
+        saved, self.trips = self.trips, self.trips * length
+        self._eqns(body.jaxpr, sub)
+        self.trips = saved
+        outs = [-1 if type(o) is jcore.Literal else sub[o] for o in body.jaxpr.outvars]
+        for k, (carry, out) in enumerate(zip(carries, outs[:nk])):
+            if out >= 0:
+                self._raw("tie", (carry, out), (), *_tied(self.values[carry].shape))
+            env[eqn.outvars[k]] = out if out >= 0 else carry
+        for var, out in zip(eqn.outvars[nk:], outs[nk:]):
+            result = self._bind(env, var)
+            shape = tuple(var.aval.shape)[1:]
+            self._raw("scan_stack", (out,), (result,), *_stacked(shape, length, stacked_result=True))
+
+    def _raw(self, name, operands, results, factors, op_dims, res_dims) -> None:
+        self.ops.append((name, operands, results, factors, op_dims, res_dims, 0.0, None, 1, (name, factors, op_dims, res_dims)))
 
     def _factors(self, rule, eqn, in_shapes, out_shapes):
         """The rule's answer, memoised: a 96-layer model asks the same question 96 times."""
@@ -187,12 +229,14 @@ class _Builder:
         if key is not None and key in self.memo:
             return self.memo[key]
         factors, op_dims, res_dims, flops = rule(eqn, list(in_shapes), list(out_shapes))
-        # The memo entry's number is a signature: equal rule, shapes and params give equal ops.
         answer = (tuple(factors), tuple(op_dims), tuple(res_dims), float(flops))
-        if key is not None:
-            answer = self.memo[key] = answer + (("memo", len(self.memo)),)
-            return answer
-        return answer + (None,)
+        if key is None:
+            return answer + (None,)
+        # A signature, computed once per memo entry: ops on the same shapes with the same
+        # factors are alike whatever their params (a layer's slice of a stack starts elsewhere).
+        sig = self.sigs.setdefault((eqn.primitive.name, in_shapes, out_shapes) + answer[:3], ("sig", len(self.sigs)))
+        self.memo[key] = answer = answer + (sig,)
+        return answer
 
     def _body(self, eqn):
         name = eqn.primitive.name
@@ -203,6 +247,21 @@ class _Builder:
         if name == "cond":
             return _Builder().build(eqn.params["branches"][0].jaxpr, []), 1
         return None, 1
+
+
+def _tied(shape):
+    """Two values of one shape with every dimension the same factor."""
+    factors = tuple(Factor(int(n), FactorKind.PASS) for n in shape)
+    dims = tuple((i,) for i in range(len(shape)))
+    return factors, (dims, dims), ()
+
+
+def _stacked(shape, length: int, stacked_result: bool):
+    """One slice of a scanned array and the array: the stacked dimension is sequential."""
+    factors = tuple(Factor(int(n), FactorKind.PASS) for n in shape) + (Factor(length, FactorKind.OPAQUE),)
+    rest = tuple((i,) for i in range(len(shape)))
+    whole = ((len(shape),),) + rest
+    return (factors, (rest,), (whole,)) if stacked_result else (factors, (whole,), (rest,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,7 +275,7 @@ def _live_ops(ops: list[tuple], outputs: list[int]) -> list[Op]:
     needed = {v for v in outputs if v >= 0}
     keep = []
     for op in reversed(ops):
-        if any(r in needed for r in op[2]):
+        if any(r in needed for r in op[2]) or op[0] == "tie":  # a carry feeds the next iteration
             keep.append(op)
             needed.update(v for v in op[1] if v >= 0)
     return [Op(i, *op) for i, op in enumerate(reversed(keep))]

@@ -58,6 +58,7 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
     shardings: dict[int, Sharding] = {}
     fixed: set[int] = set()
     factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
+    claims: dict[int, dict[int, int]] = {op.id: {} for op in graph.ops}  # bytes of the value that set each factor
     touching: dict[int, list[int]] = {}
     for op in graph.ops:
         for v in op.operands + op.results:
@@ -77,7 +78,8 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
                 for op in order:
                     if op.id in dirty:
                         dirty.discard(op.id)
-                        for v in _step(graph, op, info[op.id], shardings, fixed, factor_axes[op.id], mesh, sweep % 2 == 0, strict):
+                        for v in _step(graph, op, info[op.id], shardings, fixed, factor_axes[op.id], claims[op.id], mesh,
+                                       sweep % 2 == 0, strict):
                             changed.add(v)
                             dirty.update(touching[v])  # only ops that see a changed value can change anything
                 if not changed:
@@ -109,7 +111,8 @@ def _op_info(graph: Graph) -> list[_OpInfo]:
     return graph._op_info
 
 
-def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict, mesh, forward: bool, strict: bool) -> list[int]:
+def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict, claims: dict, mesh, forward: bool,
+          strict: bool) -> list[int]:
     # The largest values choose first, and in the first (strict) pass a value broadcast into a
     # larger elementwise op chooses nothing: a layer norm's sharded scale must not split the
     # activations it scales along the hidden dimension before the batch's sharding arrives
@@ -120,8 +123,17 @@ def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict,
             continue
         for axes, factors in zip(shardings[value], dims):
             if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
-                if not any(set(axes) & set(a) for a in assigned.values()):
+                taken = [f for f, a in assigned.items() if set(axes) & set(a)]
+                # An operand more than twice the size of the one that claimed the axis takes it
+                # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
+                # FSDP-split weight and batch-split activation want the same axis.
+                if taken and all(2 * claims.get(f, 0) < nbytes for f in taken):
+                    for f in taken:
+                        del assigned[f]
+                    taken = []
+                if not taken:
                     assigned[factors[0]] = tuple(axes)
+                    claims[factors[0]] = nbytes
     if not assigned:
         return []
     changed = []

@@ -32,6 +32,7 @@ class Collective:
     group_size: int
     text: str
     span: int = 1  # consecutive devices the group spans
+    count: int = 1  # times it runs per call: a while loop's known trip count (a scanned layer's collectives)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Verification:
         """Bytes each device sends per kind, with the same ring formulas as the planner."""
         out: dict[str, int] = {}
         for c in self.collectives:
-            out[c.kind] = out.get(c.kind, 0) + int(_sent(c))
+            out[c.kind] = out.get(c.kind, 0) + int(_sent(c)) * c.count
         return out
 
     def table(self) -> str:
@@ -80,15 +81,22 @@ def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=Non
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     memory = compiled.memory_analysis()
     peak = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
-    comm = sum(_seconds(c, hw, plan.mesh) for c in collectives)
+    comm = sum(_seconds(c, hw, plan.mesh) * c.count for c in collectives)
     flops = float(analysis.get("flops", 0.0))
     return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost)
 
 
 def parse_collectives(hlo: str) -> list[Collective]:
-    """Collectives in optimized HLO text; an async pair (`-start`/`-done`) counts once."""
+    """Collectives in optimized HLO text; an async pair (`-start`/`-done`) counts once, and one
+    in a while loop's body (a scanned layer) counts the loop's known trip count times."""
     out = []
+    runs = _runs_per_computation(hlo)
+    computation = None
     for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            continue
         m = _LINE.search(line)
         if not m or "-done" in line.split("=", 1)[-1].split("(", 1)[0]:
             continue
@@ -97,8 +105,40 @@ def parse_collectives(hlo: str) -> list[Collective]:
         if m.group("start") and m.group("kind") in ("all-gather", "collective-permute") and len(arrays) > 1:
             arrays = arrays[len(arrays) // 2:]  # (operands, results): the results
         nbytes = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in arrays)
-        out.append(Collective(m.group("kind"), nbytes, _group_size(line), line.strip()[:160], _group_span(line)))
+        out.append(Collective(m.group("kind"), nbytes, _group_size(line), line.strip()[:160], _group_span(line),
+                              runs.get(computation, 1)))
     return out
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(")
+
+
+def _runs_per_computation(hlo: str) -> dict[str, int]:
+    """How many times each computation runs per call: 1 for the entry, a while body its loop's
+    known trip count times its caller's, a called computation as often as its caller."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry, computation = None, None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            entry = computation if line.startswith("ENTRY") else entry
+            continue
+        body = re.search(r"\bbody=%([^\s,]+)", line)
+        if body and " while(" in line:
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            calls.setdefault(computation, []).append((body.group(1), int(trips.group(1)) if trips else 1))
+        elif " call(" in line or " conditional(" in line:
+            for callee in re.findall(r"(?:to_apply|branch_computations=\{[^}]*)%([^\s,}]+)", line):
+                calls.setdefault(computation, []).append((callee, 1))
+    runs = {entry: 1} if entry else {}
+    frontier = [entry] if entry else []
+    while frontier:
+        caller = frontier.pop()
+        for callee, n in calls.get(caller, ()):
+            runs[callee] = runs.get(callee, 0) + runs[caller] * n
+            frontier.append(callee)
+    return runs
 
 
 def _group_size(line: str) -> int:

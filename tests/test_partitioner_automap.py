@@ -130,3 +130,18 @@ def test_unknown_tactics_and_levels_are_refused_with_the_choices():
         search(step, state, x, devices=8, tactics=("pipeline",))
     with pytest.raises(PlanInputError, match="level must be one of"):
         search(step, state, x, devices=8, level="exhaustive")
+
+
+def test_a_scanned_stack_is_planned_once_and_compiles_to_the_predicted_collectives(devices8):
+    """jax.lax.scan over stacked layers: Megatron found on the [layers, d, d] weights (the layer
+    dimension whole), and the collectives XLA puts in the loop, counted per trip, are predicted."""
+    from examples.targets import gpt
+
+    step, args = gpt(1024, 8, 4096, 4096, 256, 3, 8, scan=True)
+    plan, _ = search(step, *args, devices=8, hardware="h100", tactics=("megatron",))
+    attn = plan.in_specs[0]["params"]["layers"]["attn"]
+    assert attn["wq"] == P(None, None, "model") and attn["wo"] == P(None, "model"), attn
+    v = verify(plan, step, *args, hardware="h100")
+    assert any(c.count == 3 for c in v.collectives)  # inside the layer loop
+    predicted, compiled = sum(plan.cost.collective_bytes.values()), sum(v.collective_bytes.values())
+    assert compiled == pytest.approx(predicted, rel=0.02), (plan.cost.collective_bytes, v.collective_bytes)

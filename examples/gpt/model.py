@@ -27,6 +27,7 @@ class GPTConfig:
     dropout: float = 0.1
     learning_rate: float = 3e-3
     successors: int = 4  # each token has this many likely next tokens in the synthetic language
+    scan_layers: bool = False  # layers stacked ([n_layers, ...] leaves) and run by jax.lax.scan
 
 
 def init_params(key, cfg: GPTConfig):
@@ -44,10 +45,11 @@ def init_params(key, cfg: GPTConfig):
                     "w2": normal((f, d), 0.02 / np.sqrt(2 * cfg.n_layers)), "b2": jnp.zeros(d)},
         }
 
+    layers = [layer() for _ in range(cfg.n_layers)]
     return {
         "wte": normal((cfg.vocab, d)),
         "wpe": normal((cfg.seq_len, d)),
-        "layers": [layer() for _ in range(cfg.n_layers)],
+        "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if cfg.scan_layers else layers,
         "ln_f": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
     }
 
@@ -77,13 +79,24 @@ def attention(x, p, cfg: GPTConfig):
     return out.reshape(b, s, d) @ p["wo"]
 
 
+def block(x, lp, cfg: GPTConfig, keys=(None, None)):
+    x = x + dropout(attention(layer_norm(x, lp["ln1"]), lp["attn"], cfg), cfg.dropout, keys[0])
+    hidden = jax.nn.gelu(layer_norm(x, lp["ln2"]) @ lp["mlp"]["w1"] + lp["mlp"]["b1"])
+    return x + dropout(hidden @ lp["mlp"]["w2"] + lp["mlp"]["b2"], cfg.dropout, keys[1])
+
+
 def forward(params, tokens, cfg: GPTConfig, key=None):
-    keys = list(jax.random.split(key, 2 * cfg.n_layers)) if key is not None else [None] * (2 * cfg.n_layers)
     x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]
-    for i, lp in enumerate(params["layers"]):
-        x = x + dropout(attention(layer_norm(x, lp["ln1"]), lp["attn"], cfg), cfg.dropout, keys[2 * i])
-        hidden = jax.nn.gelu(layer_norm(x, lp["ln2"]) @ lp["mlp"]["w1"] + lp["mlp"]["b1"])
-        x = x + dropout(hidden @ lp["mlp"]["w2"] + lp["mlp"]["b2"], cfg.dropout, keys[2 * i + 1])
+    if cfg.scan_layers:
+        if key is None or cfg.dropout == 0.0:
+            x, _ = jax.lax.scan(lambda h, lp: (block(h, lp, cfg), None), x, params["layers"])
+        else:
+            keys = jax.random.split(key, 2 * cfg.n_layers).reshape(cfg.n_layers, 2)
+            x, _ = jax.lax.scan(lambda h, xs: (block(h, xs[0], cfg, (xs[1][0], xs[1][1])), None), x, (params["layers"], keys))
+    else:
+        keys = list(jax.random.split(key, 2 * cfg.n_layers)) if key is not None else [None] * (2 * cfg.n_layers)
+        for i, lp in enumerate(params["layers"]):
+            x = block(x, lp, cfg, (keys[2 * i], keys[2 * i + 1]))
     return layer_norm(x, params["ln_f"]) @ params["wte"].T  # tied embeddings
 
 
