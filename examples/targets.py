@@ -39,6 +39,7 @@ TARGETS = {
     "gpt-example": lambda: gpt(128, 4, 512, 256, 64, 2, 24),
     "gpt-d8192": lambda: gpt(8192, 64, 32768, 32768, 1024, 2, 8),
     "llama-gqa-swiglu": llama,
+    "gpt-d4096-scan": lambda: gpt(4096, 32, 16384, 32768, 1024, 4, 8, scan=True),
     "moe-8x": moe,
     "moe-64x": lambda: moe(d=1024, heads=8, experts=64, ff=4096, vocab=32000, layers=2, batch=8, seq=1024),
 }

@@ -145,3 +145,15 @@ def test_a_scanned_stack_is_planned_once_and_compiles_to_the_predicted_collectiv
     assert any(c.count == 3 for c in v.collectives)  # inside the layer loop
     predicted, compiled = sum(plan.cost.collective_bytes.values()), sum(v.collective_bytes.values())
     assert compiled == pytest.approx(predicted, rel=0.02), (plan.cost.collective_bytes, v.collective_bytes)
+
+
+@pytest.mark.parametrize("devices, used", [(7, 6), (12, 12), (6, 6)])
+def test_device_counts_that_are_not_powers_of_two(devices, used):
+    from examples.targets import TARGETS
+
+    fn, args = TARGETS["gpt-example"]()  # batch 24
+    plan, ranked = search(fn, *args, devices=devices, hardware="h100", level="thorough")
+    assert plan.devices_used == used and plan.devices == devices
+    assert all(24 % c.mesh["data"] == 0 for c in ranked)
+    if used < devices:
+        assert f"using {used} of {devices} devices" in plan.notes[1]
