@@ -17,7 +17,7 @@ Tactics, on each mesh:
     megatron+fsdp  both, the weights' other dimension over data
     expert    weights whose leading dimension is a batch factor of their matmul (stacked experts)
               split over model on it, the rest replicated (expert x data parallelism)
-    expert+megatron  experts so, the other weights as Megatron splits them
+    expert+megatron  experts so, the other weights as Megatron splits them (and +fsdp)
 On a mesh with seq > 1 every tactic is also sequence (context) parallel: activations are split
 along the sequence, and attention gathers keys and values, as propagation finds.
 
@@ -77,7 +77,7 @@ class _Inputs:
 
 
 LEVELS = ("fast", "thorough")
-TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "expert+megatron", "exact")
+TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "expert+megatron", "expert+megatron+fsdp", "exact")
 
 
 def plan(fn, *args, devices, hardware: str | Hardware = "h100", memory_limit: int | None = None, level: str = "fast",
@@ -239,7 +239,10 @@ def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candid
         ep = _experts(inputs, mesh)
         if ep:
             plans["expert"] = {**batch, **ep}
-            plans["expert+megatron"] = {**batch, **_megatron(inputs, mesh, batch, preset=ep)}
+            em = _megatron(inputs, mesh, batch, preset=ep)
+            plans["expert+megatron"] = {**batch, **em}
+            if mesh["data"] > 1:
+                plans["expert+megatron+fsdp"] = {**batch, **_add_fsdp(g, em, state, mesh["data"])}
     out = []
     for name, annotations in plans.items():
         if mesh["model"] > 1 and not any("model" in axes for sh in annotations.values() for axes in sh):
@@ -481,8 +484,13 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: floa
             seen.add(r.tactic)
             runners.append(r)
     used = math.prod(best.mesh.values())
-    lost = (f"using {used} of {devices} devices: the batch does not divide by "
-            + ", ".join(str(k) for k in range(devices, used, -1)),) if used < devices else ()
+    lost = ()
+    if used < devices:
+        whole = [r for r in ranked if math.prod(r.mesh.values()) == devices and r.cost.peak_bytes_per_device <= limit]
+        lost = (f"using {used} of {devices} devices: " + (
+            f"the best plan on all {devices} is predicted slower ({whole[0].cost.total_seconds * 1e3:.3f} ms against "
+            f"{best.cost.total_seconds * 1e3:.3f} ms)" if whole else
+            "the batch does not divide by " + ", ".join(str(k) for k in range(devices, used, -1))),)
     notes = (f"chosen: {best.line()}",) + lost + tuple(
         f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
         for r in sorted(runners, key=lambda r: r.cost.total_seconds)) + ((timing,) if timing else ())

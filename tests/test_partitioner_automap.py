@@ -1,6 +1,8 @@
 """The tactic search over the factor graph: Megatron recovered where weights are large, data
 parallelism where they are small, memory limits respected, experts considered; the chosen plan
 compiled on 8 fake devices does what the cost model predicted."""
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -99,7 +101,7 @@ def test_the_moe_example_weighs_expert_parallelism_and_splits_experts():
     assert {"expert", "expert+megatron", "megatron"} <= tactics, tactics
     if plan.notes[0].split()[1].startswith("expert"):
         w_in = plan.in_specs[0]["params"]["layers"][0]["w_in"]
-        assert w_in == P("model"), w_in  # 8 experts over the model axis
+        assert w_in[0] == "model", w_in  # 8 experts over the model axis
 
 
 def test_thorough_adds_sequence_meshes_and_the_exact_solver_and_is_never_worse():
@@ -147,13 +149,16 @@ def test_a_scanned_stack_is_planned_once_and_compiles_to_the_predicted_collectiv
     assert compiled == pytest.approx(predicted, rel=0.02), (plan.cost.collective_bytes, v.collective_bytes)
 
 
-@pytest.mark.parametrize("devices, used", [(7, 6), (12, 12), (6, 6)])
-def test_device_counts_that_are_not_powers_of_two(devices, used):
+@pytest.mark.parametrize("devices", [6, 7, 12])
+def test_device_counts_that_are_not_powers_of_two(devices):
     from examples.targets import TARGETS
 
     fn, args = TARGETS["gpt-example"]()  # batch 24
     plan, ranked = search(fn, *args, devices=devices, hardware="h100", level="thorough")
-    assert plan.devices_used == used and plan.devices == devices
+    assert plan.devices == devices and 24 % plan.mesh["data"] == 0 and plan.devices_used <= devices
     assert all(24 % c.mesh["data"] == 0 for c in ranked)
-    if used < devices:
-        assert f"using {used} of {devices} devices" in plan.notes[1]
+    assert {math.prod(c.mesh.values()) for c in ranked} >= ({devices} if 24 % devices == 0 else {6})
+    if plan.devices_used < devices:  # and says why: the batch, or a predicted cost
+        why = plan.notes[1]
+        assert f"using {plan.devices_used} of {devices} devices" in why
+        assert ("does not divide by 7" in why) if devices == 7 else ("predicted slower" in why)
