@@ -6,7 +6,8 @@ The space, on 8 devices: every (data, model) mesh; on each, every weight of the 
 (a repeated layer's weights decided once for all layers, as the search decides them) either
 replicated or split over model along one of its dimensions that divides, each assignment with and
 without FSDP on the data axis; plus data parallelism and FSDP on data=8. Every point is priced by
-the cost model. Where the space is small (the MLPs: a few hundred points) every point is compiled
+the cost model, where that is feasible here (at most `FEASIBLE` points; a model with 8 matmul
+weights per layer has 3^8 assignments per mesh, which is reported instead). Where the space is small (the MLPs: a few hundred points) every point is compiled
 with `partitioner.verify` and priced from what XLA produced (XLA's FLOPs at the h100 peak plus the
 collectives XLA inserted, alpha-beta); otherwise the exhaustive side is the best compiled cost
 among the cost model's best `TOP` points. The searched plans (`fast`, `thorough`) are compiled and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -23,15 +25,27 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOP = 12
 COMPILE_ALL_BELOW = 200
+FEASIBLE = 8000  # points priced (about 25 ms each here): larger spaces are reported, not searched
 
 
-def space(fn, args):
-    """Every point of the space as (name, candidate)."""
+def size(inputs) -> int:
+    from partitioner import automap
+    from partitioner.hardware import profile
+
+    g, n = inputs.graph, 0
+    for mesh in automap._meshes(8, inputs, profile("h100"), "fast"):
+        t = mesh["model"]
+        per = math.prod(1 + sum(1 for d in w.shape(g) if d % t == 0 and d >= t) for w in automap._weights_in_order(inputs))
+        n += 2 if t == 1 else 2 * (per - 1)
+    return n
+
+
+def space(inputs):
+    """Every point of the space, priced."""
     from partitioner import automap
     from partitioner.hardware import profile
 
     hw = profile("h100")
-    inputs = automap._inputs(fn, args, None)
     g = inputs.graph
     found = automap._weights_in_order(inputs)
     out = []
@@ -53,7 +67,7 @@ def space(fn, args):
             if d > 1:
                 fsdp = automap._add_fsdp(g, tp, automap._state(inputs), d)
                 out.append(automap._priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw))
-    return inputs, out
+    return out
 
 
 def compiled(plan, fn, args):
@@ -69,10 +83,14 @@ def main() -> None:
     from partitioner.hardware import profile
 
     limit = profile("h100").memory_bytes
-    for name in sys.argv[1:] or ["mlp-1k", "mlp-4k", "gpt-d8192", "llama-gqa-swiglu", "moe-8x"]:
+    for name in sys.argv[1:] or ["mlp-small-weights", "mlp-1k", "mlp-4k", "gpt-example", "gpt-d8192", "llama-gqa-swiglu", "moe-8x"]:
         fn, args = TARGETS[name]()
+        inputs = automap._inputs(fn, args, None)
+        if size(inputs) > FEASIBLE:
+            print(json.dumps({"model": name, "points": size(inputs), "feasible": False}), flush=True)
+            continue
         t = time.perf_counter()
-        inputs, points = space(fn, args)
+        points = space(inputs)
         priced_s = time.perf_counter() - t
         fitting = sorted((p for p in points if p.cost.peak_bytes_per_device <= limit), key=lambda p: p.cost.total_seconds)
         chosen = fitting if len(fitting) <= COMPILE_ALL_BELOW else fitting[:TOP]
