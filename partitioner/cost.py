@@ -1,6 +1,8 @@
 """Price a propagated sharding on a hardware profile: roofline compute per device, alpha-beta
 communication per collective, and peak memory per device from value liveness.
 
+Peak memory is `memory.peak`: XLA's layout of argument, result and temporary buffers.
+
 Collectives follow DESIGN.md: a ring all-reduce of n bytes over p devices costs 2(p-1)/p * n/B
 plus 2(p-1) latencies; an all-gather (a reshard here) of shards of s bytes costs (p-1) * s/B plus
 (p-1) latencies. The link is the slowest one the group crosses: devices of the innermost mesh axes
@@ -13,6 +15,9 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Mapping
 
+import numpy as np
+
+from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import ELEMENTWISE, Graph
 from .propagate import Propagation
@@ -46,6 +51,7 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
+    held: set[int] = set()  # values a combined all-reduce waits for
     for c in prop.communication:
         p = math.prod(mesh[a] for a in c.axes)
         if p == 1 or not mult[c.op]:
@@ -57,6 +63,7 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
             sent["all-reduce"] += int(nbytes) * n
             if c.value in off_path:  # e.g. weight gradients: XLA combines them, latency is paid once
                 combined[c.axes] = combined.get(c.axes, 0) + int(nbytes) * n
+                held.add(c.value)
                 comm += n * nbytes / link.bandwidth
                 continue
             comm += n * (nbytes / link.bandwidth + latency_steps("all-reduce", p) * link.latency)
@@ -70,9 +77,9 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
         comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
     if fold is not None:
-        peak = fold.peak_bytes({v: _device_bytes(graph, v, prop, mesh) for v in mat})
+        peak = fold.peak_bytes({v: _device_bytes(graph, v, prop, mesh) for v in mat}, held)
     else:
-        peak = peak_bytes(graph, prop, mesh)
+        peak = peak_bytes(graph, prop, mesh, held)
     return GraphCost(compute, comm, sent, peak)
 
 
@@ -96,8 +103,11 @@ def _off_the_matmul_path(graph: Graph) -> set[int]:
 
 def materialized(graph: Graph) -> set[int]:
     """Values that reach memory: inputs, outputs, whatever a non-fusible op makes or reads, and
-    values read more than once. XLA fuses chains of elementwise ops (an optimizer update is one
-    kernel), so a value passed once inside such a chain costs no memory traffic or space."""
+    values read more than once unless cheap to recompute. XLA fuses chains of elementwise ops (an
+    optimizer update is one kernel), so a value passed once inside such a chain costs no memory
+    traffic or space; a cheap elementwise value (no transcendental, no division) read by several
+    fusions is recomputed in each of them from what they already read, as XLA duplicates cheap
+    producers into their consumers; an expensive one read twice is kept."""
     out = set(graph.inputs) | {v for v in graph.outputs if v >= 0}
     consumers: dict[int, int] = {}
     for op in graph.ops:
@@ -105,8 +115,12 @@ def materialized(graph: Graph) -> set[int]:
             out.update(v for v in op.operands + op.results if v >= 0)
         for v in op.operands:
             consumers[v] = consumers.get(v, 0) + 1
-    # A value read by several ops (a forward activation the backward pass reads again) is kept.
-    return out | {v for v, n in consumers.items() if n > 1 and v >= 0}
+    cheap = {r for op in graph.ops if op.primitive in FUSIBLE and op.primitive not in EXPENSIVE for r in op.results}
+    return out | {v for v, n in consumers.items() if n > 1 and v >= 0 and v not in cheap}
+
+
+EXPENSIVE = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "erf", "erfc", "erf_inv",
+             "pow", "sqrt", "rsqrt", "cbrt", "div", "rem", "atan2"}
 
 
 def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, materialized: set[int]) -> float:
@@ -136,31 +150,9 @@ def _device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
     return v.nbytes // max(parts, 1)
 
 
-def peak_bytes(graph: Graph, prop: Propagation, mesh) -> int:
-    """The most bytes live on one device at once, in program order: inputs and outputs until the
-    end (arguments belong to the caller unless donated, as XLA counts them), every other value that
-    reaches memory from its op until its last use."""
-    last_use: dict[int, int] = {}
-    for op in graph.ops:
-        for v in op.operands:
-            if v >= 0:
-                last_use[v] = op.id
-    end = len(graph.ops)
-    for v in list(graph.outputs) + list(graph.inputs):  # the caller owns the arguments (no donation)
-        if v >= 0:
-            last_use[v] = end
-    for op in graph.ops:
-        for v in op.results:
-            last_use.setdefault(v, op.id)  # never used: gone right after it is made
-    mat = materialized(graph)  # values inside a fused chain never occupy memory
-    frees: dict[int, int] = {}
-    for v, t in last_use.items():
-        if v in mat:
-            frees[t] = frees.get(t, 0) + _device_bytes(graph, v, prop, mesh)
-    live = sum(_device_bytes(graph, v, prop, mesh) for v in set(graph.inputs))
-    peak = live
-    for op in graph.ops:
-        live += sum(_device_bytes(graph, v, prop, mesh) for v in op.results if v in mat)
-        peak = max(peak, live)
-        live -= frees.get(op.id, 0)
-    return peak
+def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset()) -> int:
+    """The most bytes live on one device at once, as XLA lays buffers out (`memory.peak`);
+    `held`: values a combined all-reduce keeps until the last of them is made."""
+    life = memory.liveness(graph)
+    sizes = np.array([_device_bytes(graph, int(v), prop, mesh) for v in life.values], dtype=np.float64)
+    return memory.peak(life, sizes, np.isin(life.values, list(held)))

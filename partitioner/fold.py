@@ -12,8 +12,8 @@ layer's output in copy k but the embedding in copy 0), a `tie` op joins the two 
 gives them one sharding, the steady state of the unrolled graph.
 
 Every folded op carries its multiplicity, so compute and communication are priced once and counted
-L times; peak memory is computed on the unrolled timeline (vectorised), because activations saved
-by every layer add up there and nowhere else.
+L times; peak memory is computed on the unrolled timeline (`memory.peak`), because activations
+saved by every layer add up there and nowhere else.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from . import memory
 from .ir import Factor, FactorKind, Graph, Op, find_repeats, signature_ids
 
 MIN_PERIOD = 8  # blocks shorter than this are elementwise runs, left to duplicate folding
@@ -34,23 +35,20 @@ class Fold:
     mult: list[int]  # folded op id -> original ops it stands for (carries, for a tie)
     materialized: set[int]  # representatives of values that reach memory
     original_ops: int
-    _birth: np.ndarray = dataclasses.field(repr=False)
-    _death: np.ndarray = dataclasses.field(repr=False)
-    _live_values: np.ndarray = dataclasses.field(repr=False)
+    _life: memory.Liveness = dataclasses.field(repr=False)  # of the unrolled program
 
     def of(self, value: int) -> int:
         return int(self.rep[value]) if value >= 0 else value
 
-    def peak_bytes(self, device_bytes: Mapping[int, int]) -> int:
-        """Most bytes live on one device over the unrolled program; `device_bytes`: per
-        representative value, its bytes on one device."""
+    def peak_bytes(self, device_bytes: Mapping[int, int], held=frozenset()) -> int:
+        """Most bytes live on one device over the unrolled program, as XLA lays buffers out
+        (`memory.peak`); `device_bytes`: per representative value, its bytes on one device;
+        `held`: representatives of values a combined all-reduce keeps until the last is made."""
         per_rep = np.zeros(len(self.rep), dtype=np.float64)
         for v, n in device_bytes.items():
             per_rep[v] = n
-        sizes = per_rep[self.rep[self._live_values]]
-        slots = self.original_ops + 2
-        delta = np.bincount(self._birth, sizes, slots) - np.bincount(self._death + 1, sizes, slots)
-        return int(np.cumsum(delta)[: max(self.original_ops, 1)].max())
+        reps = self.rep[self._life.values]
+        return memory.peak(self._life, per_rep[reps], np.isin(reps, list(held)))
 
 
 def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids: Sequence[int] | None = None) -> Fold:
@@ -162,35 +160,12 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
         mult.append(copies)
     inputs = list(dict.fromkeys(find(v) for v in graph.inputs))
     folded = Graph(graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape)
-    birth, death, live = _liveness(graph)
-    materialized = {find(v) for v in live}
-    return Fold(folded, rep, mult, materialized, len(graph.ops), birth, death, np.array(live, dtype=np.int64))
+    life = memory.liveness(graph)
+    materialized = {find(int(v)) for v in life.values}
+    return Fold(folded, rep, mult, materialized, len(graph.ops), life)
 
 
 def _tie(op_id: int, a: int, b: int, shape) -> Op:
     factors = tuple(Factor(int(s), FactorKind.PASS) for s in shape)
     dims = tuple((i,) for i in range(len(shape)))
     return Op(op_id, "tie", (a, b), (), factors, (dims, dims), (), 0.0)
-
-
-def _liveness(graph: Graph):
-    """Birth and death (op index, inclusive) of every value that reaches memory. Arguments and
-    results live throughout (the caller owns arguments unless donated, as XLA counts them)."""
-    from .cost import materialized as materialized_values
-
-    mat = materialized_values(graph)
-    end = len(graph.ops)
-    birth = {v: 0 for v in graph.inputs}
-    death: dict[int, int] = {}
-    for op in graph.ops:
-        for v in op.results:
-            birth[v] = op.id
-            death[v] = op.id  # never used: gone right after it is made
-        for v in op.operands:
-            if v >= 0:
-                death[v] = op.id
-    for v in list(graph.inputs) + [v for v in graph.outputs if v >= 0]:
-        death[v] = end
-    live = sorted(v for v in mat if v in birth)
-    return (np.array([birth[v] for v in live], dtype=np.int64), np.array([death.get(v, birth[v]) for v in live], dtype=np.int64), live)
-

@@ -44,7 +44,10 @@ def test_folded_pricing_matches_the_unrolled_graph():
     folded = estimate(f.graph, propagate(f.graph, reps, mesh), mesh, h100, f)
     assert folded.collective_bytes == full.collective_bytes
     assert folded.peak_bytes_per_device == full.peak_bytes_per_device
-    assert folded.total_seconds == pytest.approx(full.total_seconds, rel=1e-6)
+    assert folded.communication_seconds == pytest.approx(full.communication_seconds, rel=1e-9)
+    # Compute differs by what folding approximates: the one layer priced reads its input (the
+    # step's argument) from memory, where layers 2-4 recompute a cheap residual sum in-fusion.
+    assert folded.compute_seconds == pytest.approx(full.compute_seconds, rel=0.02)
 
 
 def test_mirrored_optimizer_state_joins_its_parameters_class():

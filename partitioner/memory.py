@@ -1,0 +1,97 @@
+"""Peak memory per device as XLA's buffer assignment lays it out: arguments and results each hold
+their own buffer for the whole call, and temporaries share one heap; a temporary may live in a
+result's buffer before that result is written, when it fits (XLA reuses a live-out allocation for
+values whose live ranges end before the result's begins), otherwise it takes heap space.
+
+    peak = arguments + results + max over time of (temporaries live - those a free result buffer holds)
+
+Gradients reduced by one combined all-reduce (XLA's combiner packs independent all-reduces) all
+stay live until the last of them is made.
+
+Values live from the op that makes them to their last use, on the unrolled program's timeline;
+which values reach memory at all is `cost.materialized`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+
+from .ir import Graph
+
+CANDIDATE_TIMES = 6  # the heap peak is sought at the times most temporaries are live
+
+
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+    values: np.ndarray  # value ids that reach memory
+    birth: np.ndarray  # op index that makes each (0 for arguments)
+    death: np.ndarray  # op index of its last use, inclusive (the end for arguments and results)
+    argument: np.ndarray  # bool per value
+    result: np.ndarray  # bool per value (and not an argument)
+    end: int
+
+
+def liveness(graph: Graph) -> Liveness:
+    from .cost import materialized
+
+    mat = materialized(graph)
+    end = len(graph.ops)
+    birth = {v: 0 for v in graph.inputs}
+    death: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.results:
+            birth[v] = op.id
+            death[v] = op.id  # never used: gone right after it is made
+        for v in op.operands:
+            if v >= 0:
+                death[v] = op.id
+    arguments, results = set(graph.inputs), {v for v in graph.outputs if v >= 0}
+    for v in arguments | results:
+        death[v] = end
+    live = sorted(v for v in mat if v in birth)
+    return Liveness(np.array(live, dtype=np.int64), np.array([birth[v] for v in live], dtype=np.int64),
+                    np.array([death[v] for v in live], dtype=np.int64), np.array([v in arguments for v in live], dtype=bool),
+                    np.array([v in results and v not in arguments for v in live], dtype=bool), end)
+
+
+def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None) -> int:
+    """`sizes`: bytes on one device of each of `life.values`; `held`: those a combined all-reduce
+    reads (gradients), which live until the last of them is made, as the one collective that
+    reduces them all waits for it."""
+    temp = ~(life.argument | life.result)
+    fixed = float(sizes[~temp].sum())
+    if not temp.any():
+        return int(fixed)
+    slots = life.end + 2
+    death = life.death
+    if held is not None and held.any():
+        death = np.where(held, np.maximum(death, life.birth[held].max()), death)
+    t_birth, t_death, t_size = life.birth[temp], death[temp], sizes[temp]
+    profile = np.cumsum(np.bincount(t_birth, t_size, slots) - np.bincount(t_death + 1, t_size, slots))[: max(life.end, 1)]
+    times = np.argpartition(-profile, min(CANDIDATE_TIMES, len(profile) - 1))[:CANDIDATE_TIMES]
+    r_birth, r_size = life.birth[life.result], sizes[life.result]
+    heap = 0.0
+    for t in times:
+        live = t_size[(t_birth <= t) & (t_death >= t)]
+        free = r_size[r_birth > t]  # results not written yet: their buffers can hold a temporary
+        heap = max(heap, float(live.sum()) - _hosted(live, free))
+    return int(fixed + heap)
+
+
+def _hosted(temps: np.ndarray, buffers: np.ndarray) -> float:
+    """Bytes of `temps` placed one per buffer in buffers at least as large, largest first, each in
+    the smallest that fits (sizes come in few distinct values, so this runs on their counts)."""
+    free = sorted(Counter(buffers.astype(np.int64).tolist()).items())
+    hosted = 0.0
+    for size, count in sorted(Counter(temps.astype(np.int64).tolist()).items(), reverse=True):
+        for i, (room, left) in enumerate(free):
+            if count == 0:
+                break
+            if room >= size and left:
+                used = min(left, count)
+                free[i] = (room, left - used)
+                count -= used
+                hosted += used * size
+    return hosted
