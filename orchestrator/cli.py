@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--devices", type=int, required=True)
     plan.add_argument("--hardware", default="h100")
     plan.add_argument("--level", default="fast", choices=("fast", "thorough"),
-                      help="fast: tactics (dp, fsdp, Megatron, experts) on data x model meshes within a host; "
+                      help="fast: tactics (dp, fsdp, Megatron, experts) on data x model meshes, model within a host; "
                            "thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--planner", default="search", choices=("search", "shapes"),

@@ -153,7 +153,7 @@ def plan_target():
 def plan_target_large():
     """The same decoder at d_model 8192 (64 heads, d_ff 32768, vocab 32768, sequence 1024, batch
     8): large enough that moving activations is cheaper than moving weights, where Megatron wins.
-    `remesh plan examples.gpt.model:plan_target_large --devices 8 --planner tactics --verify`."""
+    `remesh plan examples.gpt.model:plan_target_large --devices 8 --verify`."""
     from orchestrator import check_program
 
     cfg = GPTConfig(vocab=32768, seq_len=1024, d_model=8192, n_heads=64, n_layers=2, d_ff=32768, dropout=0.0)
