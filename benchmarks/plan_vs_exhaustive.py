@@ -60,7 +60,7 @@ def space(inputs):
             continue
         options = [[None] + [k for k, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
         for choice in itertools.product(*options):
-            tp = {w.value: w.sharding(g, automap._split(w.shape(g), k, "model")) for w, k in zip(found, choice) if k is not None}
+            tp = {w.value: w.sharding(automap._split(w.shape(g), k, "model")) for w, k in zip(found, choice) if k is not None}
             if not tp:
                 continue
             out.append(automap._priced(inputs, "split", mesh, {**batch, **tp}, hw))

@@ -40,13 +40,13 @@ from typing import Any, Collection, Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
+from . import exact
 from .cost import GraphCost, estimate
-from .hardware import Hardware, profile
 from .fold import Fold, fold
+from .hardware import Hardware, profile
 from .ir import FactorKind, Graph, capture
 from .plan import Cost, Plan
 from .propagate import Propagation, Sharding, propagate
-from . import exact
 from .search import PlanInputError, PlanMemoryError, _batch_argnums
 
 
@@ -295,7 +295,7 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
     def price(choice: Sequence[int]) -> Candidate:
         key = tuple(choice)
         if key not in cache:
-            ann = {w.value: w.sharding(g, _split(w.shape(g), opts[o], "model")) for w, opts, o in zip(found, options, key) if o}
+            ann = {w.value: w.sharding(_split(w.shape(g), opts[o], "model")) for w, opts, o in zip(found, options, key) if o}
             cache[key] = _priced(inputs, name, mesh, {**batch, **ann}, hw)
         return cache[key]
 
@@ -374,7 +374,7 @@ class _Weight:
     value: int  # the state input
     stacked: bool  # read one layer at a time through a scan (its leading dimension is the layer)
 
-    def sharding(self, g: Graph, per_layer: Sharding) -> Sharding:
+    def sharding(self, per_layer: Sharding) -> Sharding:
         """The input's sharding for a split of what the matmul reads."""
         return (((),) if self.stacked else ()) + tuple(per_layer)
 
@@ -429,7 +429,7 @@ def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Shardin
         dims = [d for d in dims if shape[d] % t == 0]
         if not dims:
             continue
-        chosen[w] = weight.sharding(g, _split(shape, dims[-1], "model"))
+        chosen[w] = weight.sharding(_split(shape, dims[-1], "model"))
         prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
     return chosen
 
@@ -446,7 +446,7 @@ def _experts(inputs: _Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
         shape = weight.shape(g)
         for d, dims in enumerate(w_dims):
             if dims and dims[0] in shared and op.factors[dims[0]].kind is FactorKind.PASS and shape[d] % t == 0:
-                out[weight.value] = weight.sharding(g, _split(shape, d, "model"))
+                out[weight.value] = weight.sharding(_split(shape, d, "model"))
                 break
     return out
 

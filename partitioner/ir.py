@@ -239,9 +239,7 @@ class _Builder:
         return answer
 
     def _body(self, eqn):
-        name = eqn.primitive.name
-        if name == "scan":
-            return _Builder().build(eqn.params["jaxpr"].jaxpr, []), int(eqn.params["length"])
+        name = eqn.primitive.name  # (a scan is inlined by `_scan`)
         if name == "while":
             return _Builder().build(eqn.params["body_jaxpr"].jaxpr, []), 1
         if name == "cond":
