@@ -99,9 +99,12 @@ def test_the_moe_example_weighs_expert_parallelism_and_splits_experts():
     plan, ranked = search(fn, *args, devices=8, hardware="h100")
     tactics = {c.tactic for c in ranked}
     assert {"expert", "expert+megatron", "megatron"} <= tactics, tactics
-    if plan.notes[0].split()[1].startswith("expert"):
-        w_in = plan.in_specs[0]["params"]["layers"][0]["w_in"]
-        assert w_in[0] == "model", w_in  # 8 experts over the model axis
+    # Experts over model, attention by Megatron, the rest over data: cheaper under the compiler
+    # than every hand plan (BENCHMARKS.md), and the fast level's choice.
+    assert plan.notes[0].split()[1] == "expert+megatron+fsdp", plan.notes[0]
+    layer = plan.in_specs[0]["params"]["layers"][0]
+    assert layer["w_in"][0] == "model" and layer["w_out"][0] == "model", layer
+    assert "model" in layer["attn"]["wq"] and "model" in layer["attn"]["wo"], layer["attn"]
 
 
 def test_thorough_adds_sequence_meshes_and_the_exact_solver_and_is_never_worse():
