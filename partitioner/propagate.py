@@ -3,14 +3,17 @@ few values, and every other value gets a sharding through the ops' factors, forw
 until nothing changes.
 
 A value's sharding is a tuple with one entry per dimension: the mesh axes that dimension is split
-over (major to minor), `()` for replicated. Within one op a factor takes the axes of the first
-dimension that gives it some (operands before results on forward sweeps, results first on backward
-sweeps); an assignment is dropped when the factor's size does not divide by the axes' product or
-when an axis is already used by another dimension of the same value.
+over (major to minor), `()` for replicated. Within one op a factor takes the axes of the largest
+value that gives it some (on ties, operands before results on forward sweeps, results first on
+backward sweeps); a value more than twice the size of the one that set a contested axis takes it
+over; an assignment is dropped when the factor's size does not divide by the axes' product or
+when an axis is already used by another dimension of the same value. Annotations named `first`
+(the batch) spread before the rest, and in each stage broadcasts are followed last.
 
 The result also lists, per op, the communication the assignment implies: a sharded REDUCE factor
-leaves partial sums to all-reduce; an operand whose given sharding differs from what the op's
-factors ask must be resharded.
+leaves partial sums to all-reduce (or to reduce-scatter, when the result is split over the same
+axes); an operand whose given sharding differs from what the op's factors ask must be resharded,
+except a value computed from literals alone.
 """
 from __future__ import annotations
 
