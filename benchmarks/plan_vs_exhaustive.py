@@ -33,9 +33,10 @@ def size(inputs) -> int:
     from partitioner.hardware import profile
 
     g, n = inputs.graph, 0
+    found = automap._weights_in_order(inputs)
     for mesh in automap._meshes(8, inputs, profile("h100"), "fast"):
         t = mesh["model"]
-        per = math.prod(1 + sum(1 for d in w.shape(g) if d % t == 0 and d >= t) for w in automap._weights_in_order(inputs))
+        per = math.prod(1 + sum(1 for d in w.shape(g) if d % t == 0 and d >= t) for w in found)
         n += 2 if t == 1 else 2 * (per - 1)
     return n
 
@@ -53,20 +54,20 @@ def space(inputs):
         batch = automap._batch(inputs, mesh)
         t, d = mesh["model"], mesh["data"]
         if t == 1:
-            out.append(automap._priced(inputs, "dp", mesh, batch, hw))
+            out.append(automap._priced(inputs, "dp", mesh, batch, hw, batch))
             if d > 1:
                 state = {v: s for v in automap._state(inputs) if (s := automap._fsdp(g.values[v].shape, d))}
-                out.append(automap._priced(inputs, "fsdp", mesh, {**batch, **state}, hw))
+                out.append(automap._priced(inputs, "fsdp", mesh, {**batch, **state}, hw, batch))
             continue
         options = [[None] + [k for k, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
         for choice in itertools.product(*options):
             tp = {w.value: w.sharding(automap._split(w.shape(g), k, "model")) for w, k in zip(found, choice) if k is not None}
             if not tp:
                 continue
-            out.append(automap._priced(inputs, "split", mesh, {**batch, **tp}, hw))
+            out.append(automap._priced(inputs, "split", mesh, {**batch, **tp}, hw, batch))
             if d > 1:
                 fsdp = automap._add_fsdp(g, tp, automap._state(inputs), d)
-                out.append(automap._priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw))
+                out.append(automap._priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw, batch))
     return out
 
 

@@ -67,13 +67,16 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
-    graph: Graph  # folded: one copy of each repeated layer
     fold: Fold
     ids: list[int]  # representative value id per argument leaf
     keys: list[tuple[str, ...]]  # each leaf's key path inside its argument
     argnum: list[int]
     batch_argnums: tuple[int, ...]
     seconds: tuple[float, float] = (0.0, 0.0)  # capture, fold
+
+    @property
+    def graph(self) -> Graph:  # folded: one copy of each repeated layer
+        return self.fold.graph
 
 
 LEVELS = ("fast", "thorough")
@@ -167,7 +170,7 @@ def _inputs(fn, args, batch_argnums) -> _Inputs:
     t1 = time.perf_counter()
     folded = fold(graph, keys, leaves)
     seconds = (t1 - t0, time.perf_counter() - t1)
-    return _Inputs(folded.graph, folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
+    return _Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
 
 
 def _key_name(key) -> str:
@@ -247,18 +250,22 @@ def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candid
     for name, annotations in plans.items():
         if mesh["model"] > 1 and not any("model" in axes for sh in annotations.values() for axes in sh):
             continue  # the tactic found nothing to split: the model axis would only repeat work
-        out.append(_priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, annotations, hw))
+        out.append(_priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, annotations, hw, batch))
     return out
 
 
-def _priced(inputs: _Inputs, name: str, mesh: Mapping[str, int], annotations: Mapping[int, Sharding], hw: Hardware) -> Candidate:
+def _priced(inputs: _Inputs, name: str, mesh: Mapping[str, int], annotations: Mapping[int, Sharding], hw: Hardware,
+            batch: Mapping[int, Sharding]) -> Candidate:
+    """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
+    batch first, and priced."""
     annotations = _mirror_optimizer_state(inputs, annotations)
-    prop = propagate(inputs.graph, annotations, mesh, first=_batch(inputs, mesh))
+    prop = propagate(inputs.graph, annotations, mesh, first=batch)
     return Candidate(name, dict(mesh), annotations, estimate(inputs.graph, prop, mesh, hw, inputs.fold), prop)
 
 
 REFINED_MESHES = 4  # thorough: meshes the exact solver refines, best tactic first
 K_BEST = 3  # the solver's best answers priced exactly, per mesh
+ROUNDS = 2  # re-linearisations around an improved answer, per mesh
 
 
 def _solved(inputs: _Inputs, candidates: list[Candidate], hw: Hardware, limit: int) -> list[Candidate]:
@@ -287,7 +294,6 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
     g, t = inputs.graph, mesh["model"]
     batch = _batch(inputs, mesh)
     found = _weights_in_order(inputs)
-    weights = [w.value for w in found]
     options = [[None] + [d for d, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
     name = "exact" + ("+sequence" if mesh["seq"] > 1 else "")
     cache: dict[tuple, Candidate] = {}
@@ -296,7 +302,7 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
         key = tuple(choice)
         if key not in cache:
             ann = {w.value: w.sharding(_split(w.shape(g), opts[o], "model")) for w, opts, o in zip(found, options, key) if o}
-            cache[key] = _priced(inputs, name, mesh, {**batch, **ann}, hw)
+            cache[key] = _priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
         return cache[key]
 
     def option_of(w: _Weight, opts: list) -> int:
@@ -315,13 +321,12 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
             break
         ref = next(k for k, c in cache.items() if c is better)
     if mesh["data"] > 1:
+        state = _state(inputs)
         for c in list(out):
-            tp = {w: c.annotations[w] for w in weights if w in c.annotations}
-            out.append(_priced(inputs, name + "+fsdp", mesh, {**batch, **_add_fsdp(g, tp, _state(inputs), mesh["data"])}, hw))
+            tp = {w.value: c.annotations[w.value] for w in found if w.value in c.annotations}
+            out.append(_priced(inputs, name + "+fsdp", mesh, {**batch, **_add_fsdp(g, tp, state, mesh["data"])}, hw, batch))
     return out
 
-
-ROUNDS = 2
 
 
 def _linearised(price, ref: tuple[int, ...], options: list[list], limit: int) -> exact.PairwiseProblem:

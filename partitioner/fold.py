@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from . import memory
-from .ir import Factor, FactorKind, Graph, Op, find_repeats, signature_ids
+from .ir import Graph, Op, find_repeats, signature_ids, tie_factors
 
 MIN_PERIOD = 8  # blocks shorter than this are elementwise runs, left to duplicate folding
 
@@ -57,7 +57,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     Example:
         >>> f = fold(capture(step, state, batch))
         >>> len(f.graph.ops), f.original_ops
-        (702, 48125)
+        (704, 48125)
     """
     parent = list(range(len(graph.values)))
     op_parent = list(range(len(graph.ops)))
@@ -166,6 +166,4 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
 
 
 def _tie(op_id: int, a: int, b: int, shape) -> Op:
-    factors = tuple(Factor(int(s), FactorKind.PASS) for s in shape)
-    dims = tuple((i,) for i in range(len(shape)))
-    return Op(op_id, "tie", (a, b), (), factors, (dims, dims), (), 0.0)
+    return Op(op_id, "tie", (a, b), (), *tie_factors(shape), 0.0)

@@ -25,8 +25,6 @@ from jax.sharding import PartitionSpec as P
 from .hardware import Hardware, latency_steps, profile
 from .plan import Cost, Plan
 
-LEVELS = ("fast", "thorough")
-
 
 class PlanMemoryError(MemoryError):
     """No usable mesh fits the memory limit."""
@@ -49,7 +47,7 @@ class _Candidate:
         return {k: v for k, v in axes.items() if v > 1} or {"data": 1}
 
 
-def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, level="fast", batch_argnums=None) -> Plan:
+def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch_argnums=None) -> Plan:
     """Plan `fn(*args)` for `devices` (a count or a list of devices) from shapes alone.
 
     Example:
@@ -58,8 +56,6 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, level
         ({'data': 6}, ())
     """
     start = time.perf_counter()
-    if level not in LEVELS:
-        raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
     n = devices if isinstance(devices, int) else len(devices)
     if n < 1:
         raise PlanInputError(f"devices must be at least 1, got {n}")
