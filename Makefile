@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/remesh run examples/gpt/job.toml --checkpoint-dir runs/demo/checkpoints \
-		--chaos lose@40,add@80 --summary runs/demo/summary.json
+		--chaos lose@40,add@80 --summary runs/demo/summary.json --store runs/demo/fleet.db
 
-test: $(STAMP)
+# The dashboard tests drive Debian's chromium, headless; installed here when missing (as root).
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  { echo "make test needs Debian's chromium for the dashboard tests: sudo apt-get install chromium"; exit 1; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 clean:

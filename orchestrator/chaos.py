@@ -3,13 +3,17 @@
     lose@S[:H]          after step S is reported, kill host H's node (default: the last host)
     lose-in-save@S[:H]  host H hangs instead of saving checkpoint S; its node is killed mid-save
     add@S               after step S is reported, add one host to the cluster
+    slow@S[:H]          from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
+                        a straggler (works on any cluster: nothing is killed)
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 
-KINDS = ("lose", "lose-in-save", "add")
+KINDS = ("lose", "lose-in-save", "add", "slow")
+SLOW_INPUT_SECONDS = 0.3
+ANY_CLUSTER = ("slow",)  # kinds that need no control over the cluster's nodes
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<host>\d+))?$")
 
 
@@ -49,13 +53,17 @@ class ChaosInjector:
 
     def due(self, completed_step: int) -> list[Fault]:
         """`lose` and `add` faults whose step has been reached (each fires once)."""
-        fired = [f for f in self._pending if f.kind != "lose-in-save" and f.step <= completed_step]
+        fired = [f for f in self._pending if f.kind in ("lose", "add") and f.step <= completed_step]
         self._pending = [f for f in self._pending if f not in fired]
         return fired
 
     def save_faults(self) -> list[Fault]:
         """`lose-in-save` faults still to fire; they ride in the next segment's spec."""
         return [f for f in self._pending if f.kind == "lose-in-save"]
+
+    def slow_hosts(self) -> dict[int | None, int]:
+        """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
+        return {f.host: f.step for f in self._pending if f.kind == "slow"}
 
     def fired(self, fault: Fault) -> None:
         self._pending = [f for f in self._pending if f != fault]

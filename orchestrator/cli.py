@@ -1,4 +1,4 @@
-"""The `remesh` command line: run, plan, ckpt."""
+"""The `remesh` command line: run, submit, status, logs, stop, dashboard, plan, ckpt."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remesh", description="Elastic training orchestrator for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -17,6 +17,34 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--checkpoint-dir", help="override the job file's checkpoint.dir")
     run.add_argument("--hosts", type=int, help="emulated hosts to start with (default: hosts.max)")
     run.add_argument("--address", help="run on the Ray cluster at this address instead of an embedded one")
+    run.add_argument("--store", help="fleet store (SQLite) to record the job in (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)")
+    run.add_argument("--no-store", action="store_true", help="record the job in no fleet store")
+
+    submit = sub.add_parser("submit", help="submit a job to a running Ray cluster (Ray Jobs API)")
+    submit.add_argument("job", help="job file (TOML)")
+    submit.add_argument("--address", required=True, help="the Ray dashboard's URL, e.g. http://127.0.0.1:8265")
+    submit.add_argument("--working-dir", help="upload this directory as the job's working directory "
+                                              "(default: none; the head node must see this directory)")
+    submit.add_argument("--python", default=sys.executable,
+                        help="the head node's Python with remesh installed (default: this one)")
+    submit.add_argument("--store", help="fleet store path as the head node sees it")
+    submit.add_argument("--summary", help="where the head node writes the run summary (JSON)")
+    submit.add_argument("--chaos", help="fault injection that needs no control of nodes: slow@S[:H] (a straggler)")
+    for name, text in (("status", "a submitted job's state (all remesh jobs without an id)"),
+                       ("logs", "a submitted job's output"), ("stop", "stop a submitted job")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("id", nargs="?" if name == "status" else None, help="submission id (from remesh submit)")
+        p.add_argument("--address", required=True, help="the Ray dashboard's URL, e.g. http://127.0.0.1:8265")
+        if name == "status":
+            p.add_argument("--store", help="fleet store to read progress from (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)")
+            p.add_argument("--json", action="store_true")
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true")
+
+    dash = sub.add_parser("dashboard", help="serve the fleet dashboard and its JSON API")
+    dash.add_argument("--store", help="fleet store (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    dash.add_argument("--port", type=int, default=8266)
 
     plan = sub.add_parser("plan", help="plan a function: MODULE:ATTR returns (fn, args)")
     plan.add_argument("target")
@@ -40,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.add_argument("--hardware", default="cpu", help="inspect: hardware profile to plan the restore for")
     ckpt.add_argument("--json", action="store_true")
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        return {"run": _run, "plan": _plan, "ckpt": _ckpt}[args.command](args)
+        return {"run": _run, "plan": _plan, "ckpt": _ckpt, "submit": _submit, "status": _status, "logs": _logs,
+                "stop": _stop, "dashboard": _dashboard}[args.command](args)
     except (ValueError, KeyError, FileNotFoundError, MemoryError) as e:
         # Every error a user can cause is one of these, with a message that says how to fix it.
         print(f"remesh {args.command}: error: {e}", file=sys.stderr)
@@ -50,18 +83,73 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from .fleet import FleetStoreConfig
     from .jobfile import load_job
     from .run import run_job
 
     job = load_job(args.job)
     if args.checkpoint_dir:
         job = job.with_checkpoint_dir(args.checkpoint_dir)
-    summary = run_job(job, chaos=args.chaos, address=args.address, hosts=args.hosts)
+    store = None if args.no_store else FleetStoreConfig(path=args.store or "")
+    summary = run_job(job, chaos=args.chaos, address=args.address, hosts=args.hosts, store=store)
     if args.summary:
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         summary.write(args.summary)
     _print_summary(summary, args.summary)
     return 0 if summary.state == "finished" else 1
+
+
+def _submit(args) -> int:
+    from .submit import SubmitConfig, submit
+
+    sid = submit(args.job, SubmitConfig(address=args.address, python=args.python, working_dir=args.working_dir,
+                                        store=args.store, summary=args.summary), chaos=args.chaos)
+    print(sid)
+    return 0
+
+
+def _status(args) -> int:
+    import dataclasses
+    import json
+
+    from .submit import list_jobs, status
+
+    found = [status(args.address, args.id, store=args.store)] if args.id else list_jobs(args.address, store=args.store)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in found], indent=2))
+    else:
+        for s in found:
+            print(s.line())
+    return 0
+
+
+def _logs(args) -> int:
+    from .submit import logs
+
+    logs(args.address, args.id, follow=args.follow)
+    return 0
+
+
+def _stop(args) -> int:
+    from .submit import stop
+
+    print(f"{args.id}: {'stop requested' if stop(args.address, args.id) else 'already finished'}")
+    return 0
+
+
+def _dashboard(args) -> int:
+    from .dashboard import DashboardConfig, make_server
+    from .fleet import FleetStoreConfig
+
+    server = make_server(DashboardConfig(host=args.host, port=args.port, store=FleetStoreConfig(path=args.store or "")))
+    host, port = server.server_address[:2]
+    print(f"remesh dashboard on http://{host}:{port}/ (store {server.RequestHandlerClass.store.path}); Ctrl-C stops it",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _print_summary(summary, path) -> None:
@@ -76,6 +164,15 @@ def _print_summary(summary, path) -> None:
         print(f"  segment: steps {s['first_step']}-{s['last_step']} on {s['hosts']} hosts, {s['devices']} devices, mesh {mesh}")
     for r in d["recovery_seconds"]:
         print(f"  recovery after host loss: {r:.1f} s")
+    t = d["throughput"]
+    if t.get("steps_measured"):
+        print(f"  throughput: {t['tokens_per_second']:,.0f} tokens/s, step {t['step_seconds'] * 1e3:.1f} ms, "
+              f"MFU {t['mfu']:.2%} ({t['model_flops_per_step'] / 1e9:.2f} GFLOP a step, median of {t['steps_measured']} steps)")
+    g = d["goodput"]
+    if g:
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in g["badput_seconds"].items())
+        print(f"  goodput: {g['goodput_ratio']:.1%} ({g['useful_seconds']:.1f} s of useful steps in {g['wall_seconds']:.1f} s); "
+              f"badput: {parts}")
     if path:
         print(f"  summary written to {path}")
 

@@ -20,8 +20,10 @@ from typing import Callable
 
 from . import policies
 from .chaos import ChaosInjector, Fault
+from .goodput import REPORT_CATEGORY, USEFUL, Ledger, Throughput
 from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
 from .jobfile import JobSpec
+from .recorder import Recorder
 from .summary import RunSummary
 from .worker import SegmentSpec
 
@@ -32,10 +34,16 @@ class Phase(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+    STOPPED = "stopped"
 
     @property
     def is_terminal(self) -> bool:
-        return self in (Phase.FINISHED, Phase.FAILED)
+        return self in (Phase.FINISHED, Phase.FAILED, Phase.STOPPED)
+
+
+class JobStopped(BaseException):
+    """Raised into the controller's loop when the job is stopped from outside (a signal). A
+    BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +60,14 @@ class JobController:
                  config: ControllerConfig = ControllerConfig(), chaos: tuple[Fault, ...] = (),
                  scaling: policies.ScalingPolicy | None = None, failure: policies.FailurePolicy | None = None,
                  group_cls=HostGroup, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, printer: Callable[[str], None] | None = None):
+                 sleep: Callable[[float], None] = time.sleep, printer: Callable[[str], None] | None = None,
+                 recorder: Recorder | None = None, wall: Callable[[], float] = time.time,
+                 model_flops: float | None = None):
         self.job = job
         self.cluster = cluster
         self.planner = planner
         self.fingerprint = fingerprint
+        self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
         self.config = config
         self.scaling = scaling or policies.ScalingPolicy(job.hosts.min, job.hosts.max)
         self.failure = failure or policies.FailurePolicy(job.hosts.min, job.hosts.max)
@@ -66,6 +77,11 @@ class JobController:
         self.print = printer or (lambda line: print(line, flush=True))
         self.phase = Phase.PLANNING
         self.summary = RunSummary(job=job.name, steps=job.steps)
+        self.recorder = recorder or Recorder()
+        self.wall = wall  # wall-clock time, which host reports are stamped with
+        self.ledger = Ledger(wall())
+        self.throughput = Throughput()
+        self._segment_throughputs: list[Throughput] = []  # one per summary segment
         self._t0 = clock()
         self._target: int | None = None  # hosts the next segment should run on
         self._plans: dict[tuple[str, int], object] = {}
@@ -85,14 +101,46 @@ class JobController:
         return self.phase
 
     def run(self) -> RunSummary:
+        self.recorder.started()
         try:
             while not self.phase.is_terminal:
                 self.step()
+        except JobStopped as e:
+            self.phase = Phase.STOPPED
+            self.summary.reason = str(e)
+            self.print(f"stop  {e} after step {self._done_step()}")
         finally:
             self._stop_group()
             self.summary.state = self.phase.value
             self.summary.wall_seconds = self._now()
+            self.summary.goodput = self.ledger.breakdown(self.wall())
+            self.summary.throughput = self.throughput.summary()
+            self._record_status()  # also the segments' medians
+            self.recorder.close()
         return self.summary
+
+    def _segment_medians(self) -> None:
+        for seg, t in zip(self.summary.segments, self._segment_throughputs):
+            s = t.summary()
+            seg.update({f"median_{k}": s[k] for k in ("step_seconds", "tokens_per_second", "mfu")})
+
+    def _event(self, kind: str, **fields) -> dict:
+        e = self.summary.event(kind, **fields)
+        self.recorder.event({**e, "at": self.ledger.start + e["at"]})  # the store keeps wall-clock times
+        return e
+
+    def _record_status(self) -> None:
+        seg = self._segment or {}
+        goodput = self.summary.goodput or self.ledger.breakdown(self.wall())
+        recent = self.throughput.last(20).summary()
+        self._segment_medians()
+        self.recorder.status(
+            state=self.phase.value, steps_completed=self._done_step(), mesh=seg.get("mesh", {}),
+            hosts=seg.get("hosts", 0), devices=seg.get("devices", 0), reason=self.summary.reason,
+            tokens_per_second=recent["tokens_per_second"], mfu=recent["mfu"],
+            goodput_ratio=goodput["goodput_ratio"], goodput=goodput,
+            throughput=self.summary.throughput or self.throughput.summary(),
+            segments=self.summary.segments)
 
     def _now(self) -> float:
         return self.clock() - self._t0
@@ -114,14 +162,16 @@ class JobController:
             return self._fail(f"{available} hosts left, the job needs at least {self.job.hosts.min} (hosts.min)")
         hosts = self._target
         devices = hosts * self.job.hosts.devices_per_host
-        t = self.clock()
+        t, wall = self.clock(), self.wall()
         key = (self.fingerprint, devices)
         cached = key in self._plans
         if not cached:
             self._plans[key] = self.planner(devices)
         self._plan = self._plans[key]
-        self.summary.event("replan", step=self._done_step(), at=self._now(), seconds=self.clock() - t,
-                           devices=devices, mesh=dict(self._plan.mesh), cached=cached, notes=list(self._plan.notes))
+        self.ledger.add("planning", wall, self.wall())
+        self.ledger.gap = "startup"  # until the new group's first report
+        self._event("replan", step=self._done_step(), at=self._now(), seconds=self.clock() - t,
+                    devices=devices, mesh=dict(self._plan.mesh), cached=cached, notes=list(self._plan.notes))
         self.print(f"plan  {self._plan.describe()} on {hosts} hosts" + (" (cached)" if cached else "")
                    + "".join(f"\n      note: {n}" for n in self._plan.notes))
         return Phase.STARTING
@@ -139,24 +189,30 @@ class JobController:
             return Phase.PLANNING
         spawn = self.clock() - t
         freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
+        slow = {(h if h is not None else hosts - 1): s for h, s in self.chaos.slow_hosts().items()}
         plan_json = self._plan.to_json()
-        self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i)))
+        self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i)))
         self._segment = {"mesh": dict(self._plan.mesh), "hosts": hosts, "devices": self._plan.devices_used,
                          "first_step": None, "last_step": None, "spawn_seconds": round(spawn, 3),
-                         "started_at": round(t - self._t0, 3), "first_step_at": None}
+                         "started_at": round(t - self._t0, 3), "first_step_at": None,
+                         "plan": self._plan.describe()}
+        self._segment_throughputs.append(Throughput())
         self.summary.segments.append(self._segment)
+        self._record_status()
         self._stopping = False
         self._last_host_check = self.clock()
         return Phase.RUNNING
 
-    def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None) -> SegmentSpec:
+    def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None,
+              slow: int | None = None) -> SegmentSpec:
         job = self.job
         return SegmentSpec(
             program=job.program, steps=job.steps, global_batch=job.global_batch, seed=job.seed,
             checkpoint=job.checkpoint, plan_json=plan_json, coordinator=coordinator,
             num_processes=hosts, process_id=process_id, segment=len(self.summary.segments),
-            digest=self.config.digest, freeze_before_save=freeze, compilation_cache=self.config.compilation_cache,
-            fingerprint=self.fingerprint,
+            digest=self.config.digest, freeze_before_save=freeze, slow_input_from=slow,
+            compilation_cache=self.config.compilation_cache,
+            fingerprint=self.fingerprint, hardware=job.hardware, job=job.name, model_flops=self.model_flops,
         )
 
     # -- RUNNING -----------------------------------------------------------------------------
@@ -164,6 +220,12 @@ class JobController:
         try:
             statuses = self._group.poll()
         except HostsLostError as e:
+            # Steps the survivors finished before the loss still count; if process 0 is gone,
+            # the lowest surviving host speaks for the group (SPMD: they all report the same steps).
+            speaker = min((host for host, _ in e.survivors), default=None)
+            for host, status in e.survivors:
+                for report in status.reports:
+                    self._on_report(host, report, speaker=speaker)
             return self._on_hosts_lost(e)
         except SegmentFailedError as e:
             # The program itself raised: another mesh would fail the same way.
@@ -172,6 +234,9 @@ class JobController:
         for host, status in enumerate(statuses):
             for report in status.reports:
                 self._on_report(host, report)
+        if self.recorder.due():  # medians over every step: not at every poll
+            self._record_status()
+            self.recorder.flush()
         if all(s.done for s in statuses):
             self._stop_group()
             if self._done_step() >= self.job.steps:
@@ -182,15 +247,18 @@ class JobController:
         self.sleep(self.config.poll_interval_s)
         return Phase.RUNNING
 
-    def _on_report(self, host: int, r: dict) -> None:
+    def _on_report(self, host: int, r: dict, speaker: int = 0) -> None:
         kind, now = r["kind"], self._now()
         if kind == "chaos_frozen":  # whichever host froze is the one to kill
             fault = next(f for f in self.chaos.save_faults() if f.step == r["step"])
             self.chaos.fired(fault)
             self._kill(host, f"lose-in-save@{r['step']}")
             return
-        if host != 0:
+        if kind == "step":
+            self.recorder.step(host, len(self.summary.segments), r)
+        if host != speaker:
             return  # SPMD: every host reports the same steps; process 0 speaks for the group
+        self._account(r)
         if kind == "step":
             self.summary.losses[r["step"]] = r["loss"]
             seg = self._segment
@@ -204,28 +272,45 @@ class JobController:
                 self.print(f"      recovered in {recovery:.1f} s")
             self._progress(r)
         elif kind == "checkpoint_corrupt":
-            self.summary.event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
+            self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
             self.print(f"      checkpoint step {r['step']} is damaged, moved aside; trying the one before: {r['error'][:200]}")
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
-            extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds")}
-            self.summary.event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
+            extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at")}
+            self._event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
+            if kind == "compile":
+                self.throughput.model_flops_per_step = r["model_flops"]
+                self._segment.update(model_flops=r["model_flops"], device_flops=r["device_flops"])
             if kind == "restore":
                 self.print(f"      restored step {r['step']} in {r['seconds']:.2f} s")
+
+    def _account(self, r: dict) -> None:
+        """Charge a report of process 0 to the ledger (goodput.py); steps to the throughput."""
+        if r["kind"] == "step":
+            category = USEFUL if r["step"] > self._done_step() else "lost"  # before losses[step] is set
+            self.throughput.add(r)
+            self._segment_throughputs[-1].add(r)
+        else:
+            category = REPORT_CATEGORY.get(r["kind"])
+        if category is not None and "at" in r:
+            self.ledger.add(category, r["at"] - r["seconds"], r["at"])
 
     def _progress(self, r: dict) -> None:
         if r["step"] % 10 and r["step"] != self.job.steps and r["step"] != self._segment["first_step"]:
             return
         mesh = " x ".join(f"{k}={v}" for k, v in self._segment["mesh"].items())
         self.print(f"step  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  "
-                   f"{r['tokens_per_second']:>9,.0f} tok/s  mesh {mesh}  hosts {self._segment['hosts']}")
+                   f"{r['tokens_per_second']:>9,.0f} tok/s  MFU {r['mfu']:.2%}  mesh {mesh}  hosts {self._segment['hosts']}")
 
     def _on_hosts_lost(self, e: HostsLostError) -> Phase:
         detected = self.clock()
+        # From the last report to now the group was failing, and until the next plan it is torn down.
+        self.ledger.fill(self.wall(), "lost")
+        self.ledger.gap = "lost"
         alive = set(self.cluster.alive_hosts())
         dead_nodes = [n for n in e.node_ids if n not in alive]
         injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
         self._failures += 1
-        self.summary.event("host_lost", step=self._done_step(), at=self._now(),
+        self._event("host_lost", step=self._done_step(), at=self._now(),
                            seconds=(detected - injected[0]) if injected else 0.0,
                            hosts=e.indices, nodes_dead=len(dead_nodes), detail=str(e))
         self.print(f"lost  host(s) {e.indices} after step {self._done_step()} ({e})")
@@ -264,7 +349,7 @@ class JobController:
         if isinstance(decision, policies.Resize):
             self._stopping = True
             self._target = decision.hosts
-            self.summary.event("host_added", step=self._done_step(), at=self._now(), hosts=decision.hosts)
+            self._event("host_added", step=self._done_step(), at=self._now(), hosts=decision.hosts)
             self.print(f"grow  {decision.reason}: resizing to {decision.hosts} hosts at the next checkpoint")
             self._group.request_stop()
 

@@ -29,10 +29,14 @@ class HostsUnavailableError(RuntimeError):
 class HostsLostError(RuntimeError):
     """Actors of the group died or stopped answering."""
 
-    def __init__(self, indices: Sequence[int], node_ids: Sequence[str], detail: str):
+    def __init__(self, indices: Sequence[int], node_ids: Sequence[str], detail: str,
+                 survivors: Sequence[tuple[int, "HostStatus"]] = ()):
         super().__init__(f"hosts {list(indices)} lost: {detail}")
         self.indices = list(indices)
         self.node_ids = list(node_ids)
+        # What the hosts that did answer reported in the same poll: steps they finished before
+        # the loss, which the checkpoint restored next may already include.
+        self.survivors = list(survivors)
 
 
 class SegmentFailedError(RuntimeError):
@@ -70,10 +74,18 @@ class HostActor:
         threading.Thread(target=self._run, args=(spec,), daemon=True, name="segment").start()
 
     def _run(self, spec: SegmentSpec) -> None:
+        from .metrics import RayMetrics
         from .worker import run_segment
 
+        metrics = RayMetrics()
+
+        def report(r: dict) -> None:
+            if r["kind"] == "step":  # exported from the host that measured it, labelled by host
+                metrics.step(spec.job, spec.process_id, r)
+            self._reports.put(r)
+
         try:
-            run_segment(spec, self._reports.put, self._stop.is_set)
+            run_segment(spec, report, self._stop.is_set)
         except BaseException:
             self._error = traceback.format_exc()
         finally:
@@ -135,19 +147,20 @@ class HostGroup:
     def poll(self) -> list[HostStatus]:
         refs = [a.poll.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.poll_timeout_s)
-        statuses, lost, details = [], [], []
+        answered, lost, details = [], [], []  # answered: (host index, status)
         for i, ref in enumerate(refs):
             if ref not in ready:
                 lost.append(i)
                 details.append(f"host {i} did not answer within {self.config.poll_timeout_s:.0f} s")
                 continue
             try:
-                statuses.append(ray.get(ref))
+                answered.append((i, ray.get(ref)))
             except ray.exceptions.RayActorError as e:
                 lost.append(i)
                 details.append(f"host {i}: {type(e).__name__}")
         if lost:
-            raise HostsLostError(lost, [self.node_ids[i] for i in lost], "; ".join(details))
+            raise HostsLostError(lost, [self.node_ids[i] for i in lost], "; ".join(details), answered)
+        statuses = [s for _, s in answered]
         for i, s in enumerate(statuses):
             if s.error:
                 raise SegmentFailedError(f"host {i} failed:\n{s.error}")

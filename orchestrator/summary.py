@@ -20,6 +20,8 @@ class RunSummary:
     state: str = "running"
     reason: str = ""
     wall_seconds: float = 0.0
+    goodput: dict = dataclasses.field(default_factory=dict)  # goodput.Ledger.breakdown
+    throughput: dict = dataclasses.field(default_factory=dict)  # goodput.Throughput.summary
 
     def event(self, kind: str, *, step: int | None, at: float, seconds: float = 0.0, **extra: Any) -> dict:
         assert kind in EVENT_KINDS, kind
@@ -43,6 +45,8 @@ class RunSummary:
             "events": self.events,
             "recovery_seconds": self.recovery_seconds,
             "wall_seconds": round(self.wall_seconds, 3),
+            "goodput": self.goodput,
+            "throughput": self.throughput,
         }
 
     def write(self, path: str) -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .chaos import SLOW_INPUT_SECONDS
 from .jobfile import CheckpointSpec
 
 Report = Callable[[dict], None]
@@ -43,8 +44,12 @@ class SegmentSpec:
     segment: int = 0
     digest: bool = True  # record a digest of the state at every save and restore (bitwise checks)
     freeze_before_save: int | None = None  # fault injection: hang instead of saving this step
+    slow_input_from: int | None = None  # fault injection: a straggler's slow input from this step on
     compilation_cache: str | None = None
     fingerprint: str = ""  # of the program and its abstract inputs; saved with every checkpoint
+    hardware: str = "cpu"  # profile whose peak FLOP/s MFU is measured against
+    job: str = ""  # the job's name, for labels
+    model_flops: float | None = None  # of one step (step_flops), counted once by the controller; None: count here
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -105,19 +110,38 @@ def _compile_once(lowered, spec: "SegmentSpec"):
         return lowered.compile()
 
 
+class _Laps:
+    """Back-to-back laps of wall-clock time: every report says how long since the previous one
+    and when it ended, so a host's reports cover its whole segment without gaps (goodput.py)."""
+
+    def __init__(self, report: Report):
+        self._report = report
+        self._last = time.time()
+
+    def split(self) -> tuple[float, float]:
+        """(seconds since the previous lap, now): to derive figures from before reporting them."""
+        now = time.time()
+        return now - self._last, now
+
+    def __call__(self, kind: str, *, now: float | None = None, **fields) -> None:
+        now = time.time() if now is None else now
+        self._report({"kind": kind, "seconds": now - self._last, "at": now, **fields})
+        self._last = now
+
+
 def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], bool] = lambda: False) -> dict:
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
 
     from checkpoint import StoreConfig
-    from partitioner import Plan
+    from partitioner import Plan, profile
 
     from .program import abstract_inputs, load_program
 
-    t0 = time.perf_counter()
+    lap = _Laps(report)
     start_group(spec)
-    report({"kind": "group_start", "seconds": time.perf_counter() - t0, "devices": jax.device_count()})
+    lap("group_start", devices=jax.device_count())
 
     program = load_program(spec.program)
     plan = Plan.from_json(spec.plan_json)
@@ -129,37 +153,75 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     store = StoreConfig(keep_last=spec.checkpoint.keep, keep_every=spec.checkpoint.keep_every or None).create(spec.checkpoint.dir)
-    state, first = _restore_or_init(store, program, key, abstract_state, state_sh, spec, report)
+    lap("load")
+    state, first = _restore_or_init(store, program, key, abstract_state, state_sh, spec, lap)
 
-    t = time.perf_counter()
     step_fn = jax.jit(program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                       donate_argnums=(0,))
     compiled = _compile_once(step_fn.lower(abstract_state, abstract_batch), spec)
-    report({"kind": "compile", "seconds": time.perf_counter() - t})
+    flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
+    lap("compile", **flops)
 
     tokens = spec.global_batch * program.tokens_per_example
+    # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
+    peak = plan.devices_used * profile(spec.hardware).peak_flops
     done = first
     for index in range(first, spec.steps):
-        t = time.perf_counter()
+        t_input = time.time()
         batch = _global_batch(program.batch(index, spec.global_batch), batch_sh)
+        if spec.slow_input_from is not None and index + 1 >= spec.slow_input_from:
+            time.sleep(SLOW_INPUT_SECONDS)
+        t_dispatch = time.time()
         state, metrics = compiled(state, batch)
+        t_wait = time.time()
         loss = float(metrics["loss"])  # also the step's sync point
-        seconds = time.perf_counter() - t
         done = index + 1
-        report({"kind": "step", "step": done, "loss": loss, "seconds": seconds, "tokens_per_second": tokens / seconds})
+        seconds, now = lap.split()
+        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
+        # time each host waited at the sync point can: the straggler waits least, the others for it.
+        lap("step", now=now, step=done, loss=loss, tokens_per_second=tokens / seconds,
+            mfu=flops["model_flops"] / (seconds * peak), input_seconds=t_dispatch - t_input, wait_seconds=now - t_wait)
         if done % spec.checkpoint.every == 0 or done == spec.steps:
             _save(store, state, plan, done, spec, report)
             stop = multihost_utils.broadcast_one_to_all(np.int32(should_stop()))
+            lap("checkpoint", step=done)
             if done < spec.steps and int(stop):
                 break
-    t = time.perf_counter()
     store.wait()
-    report({"kind": "checkpoint_flush", "step": done, "seconds": time.perf_counter() - t})
+    lap("checkpoint_flush", step=done)
     store.close()
     return {"last_step": done}
 
 
-def _restore_or_init(store, program, key, abstract_state, state_sh, spec: SegmentSpec, report: Report):
+def step_flops(fn, abstract_args, compiled=None, *, model_flops: float | None = None) -> dict:
+    """FLOPs of one step, counted by XLA's cost analysis.
+
+    `model_flops`: the whole step before it is partitioned (what MFU divides by: work replicated
+    across devices is not counted twice), lowered for the CPU backend whatever the devices are,
+    because that analysis counts every dot and convolution (GPU backends lower matrix products to
+    library calls their analysis cannot see, and jax 0.11 gives no analysis of an unoptimised GPU
+    program at all) and because the count should not depend on where it is made. Given as
+    `model_flops`, it is not counted again (the controller counts it once for every host).
+    `device_flops`: one device's compiled, partitioned program, as its backend reports it (None
+    where the backend cannot count it: on GPUs, library matrix products)."""
+    import jax
+
+    model = model_flops
+    if model is None:
+        with jax.default_device(jax.devices("cpu")[0]):
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_args)
+            model = _flops(jax.jit(fn).lower(*abstract).cost_analysis())
+    device = _flops(compiled.cost_analysis()) if compiled is not None else None
+    return {"model_flops": model or 0.0, "device_flops": device if device and device > 0 else None}
+
+
+def _flops(analysis) -> float | None:
+    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
+        analysis = analysis[0] if analysis else None
+    return float(analysis["flops"]) if analysis and "flops" in analysis else None
+
+
+def _restore_or_init(store, program, key, abstract_state, state_sh, spec: SegmentSpec, lap: _Laps):
     """Restore the newest committed step that every process reads intact, or initialise.
 
     A step that fails its checksums (or its digest) on any process is moved aside on all of them
@@ -172,7 +234,6 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
     committed = store.steps()
     for step in reversed(committed):
-        t = time.perf_counter()
         try:
             state = store.restore(step, target=target)
             meta = store.last_restore.meta
@@ -181,19 +242,21 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
         except (CheckpointCorruptError, CheckpointFormatError, RestoredStateMismatchError) as e:
             error = e
         if not _all_agree(error is None):
-            report({"kind": "checkpoint_corrupt", "step": step, "error": str(error) if error else "corrupt on another host"})
+            lap("checkpoint_corrupt", step=step, error=str(error) if error else "corrupt on another host")
             if jax.process_index() == 0:
                 store.quarantine(step)
             continue
         stats = store.last_restore
-        report({"kind": "restore", "step": step, "seconds": time.perf_counter() - t, "bytes_read": stats.bytes_read,
-                "bytes_needed": stats.bytes_needed, **event})
+        lap("restore", step=step, bytes_read=stats.bytes_read, bytes_needed=stats.bytes_needed, **event)
         return state, int(meta.get("data_position", step))
     if committed:
         raise CheckpointCorruptError(
             f"no checkpoint in {spec.checkpoint.dir} restores intact: steps {committed} were all damaged and moved "
             "aside as <step>.corrupt; move one back to inspect it, or start the job in a new checkpoint directory")
-    return jax.jit(program.init, out_shardings=state_sh)(key), 0
+    state = jax.jit(program.init, out_shardings=state_sh)(key)
+    jax.block_until_ready(state)
+    lap("init")
+    return state, 0
 
 
 def _check_digest(state, meta: dict, step: int, spec: SegmentSpec) -> dict:
@@ -224,13 +287,11 @@ def _save(store, state, plan, step: int, spec: SegmentSpec, report: Report) -> N
         store.wait()
         report({"kind": "chaos_frozen", "step": step})
         threading.Event().wait()
-    t = time.perf_counter()
     meta = {"data_position": step, "segment": spec.segment, "program": spec.program, "seed": spec.seed,
             "program_fingerprint": spec.fingerprint, "global_batch": spec.global_batch}
     if spec.digest:
         meta["digest"] = state_digest(state)
     store.save(step, state, plan=plan, meta=meta)
-    report({"kind": "checkpoint", "step": step, "seconds": time.perf_counter() - t})
 
 
 def _global_batch(host_batch: Any, shardings: Any):

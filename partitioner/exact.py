@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Mapping, Sequence
 
-import highspy
-
 
 @dataclasses.dataclass(frozen=True)
 class PairwiseProblem:
@@ -36,6 +34,10 @@ def k_best(problem: PairwiseProblem, k: int) -> Iterator[tuple[int, ...]]:
         >>> next(k_best(PairwiseProblem([[0, -1], [0, 2]], {(0, 1): [[0, 0], [0, -3]]}), 1))
         (1, 1)
     """
+    # Imported here: only the thorough level solves ILPs, and a bare worker process (a GPU
+    # machine running plans, not searching them) need not have HiGHS.
+    import highspy
+
     h = highspy.Highs()
     h.silent()
     x = [[h.addBinary(obj=_clean(c)) for c in costs] for costs in problem.unary]

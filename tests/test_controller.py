@@ -1,8 +1,10 @@
 """The controller as a state machine, one transition at a time, with the host group and cluster
 injected (as Ray Train tests swap `worker_group_cls`): pure logic, no Ray, no devices."""
+import itertools
+
 import pytest
 
-from orchestrator import Phase, parse_job
+from orchestrator import Phase, parse_chaos, parse_job
 from orchestrator.controller import ControllerConfig, JobController
 from orchestrator.hosts import HostsLostError, HostStatus, SegmentFailedError
 from partitioner import Cost, Plan
@@ -18,6 +20,7 @@ class World:
         self.committed = 0
         self.groups = []
         self.broken = False
+        self.survivors_report = False  # hosts still alive answer the poll that finds the loss
 
     def alive_hosts(self):
         return list(self.alive)
@@ -32,7 +35,7 @@ class World:
         self.alive.append(f"node{len(self.alive) + 10}")
 
 
-def fake_group_cls(world, every):
+def fake_group_cls(world, every, now):
     class FakeGroup:
         def __init__(self, hosts, config):
             self.size = hosts
@@ -51,15 +54,22 @@ def fake_group_cls(world, every):
                 raise SegmentFailedError("host 0 failed:\nZeroDivisionError: in the user's step")
             dead = [i for i, n in enumerate(self.node_ids) if n not in world.alive]
             if dead:
-                raise HostsLostError(dead, [self.node_ids[i] for i in dead], "ActorDiedError")
+                survivors = []
+                if world.survivors_report:  # they finished one more step before the loss was seen
+                    self.step += 1
+                    r = {"kind": "step", "step": self.step, "loss": 1.0 / self.step, "seconds": 0.1, "at": now(),
+                         "tokens_per_second": 10.0, "mfu": 0.5}
+                    survivors = [(i, HostStatus([r], False, None)) for i in range(self.size) if i not in dead]
+                raise HostsLostError(dead, [self.node_ids[i] for i in dead], "ActorDiedError", survivors)
             if self.step >= self.specs[0].steps:
                 return [HostStatus([], True, None)] * self.size
             self.step += 1
-            reports = [{"kind": "step", "step": self.step, "loss": 1.0 / self.step, "seconds": 0.1, "tokens_per_second": 10.0}]
+            reports = [{"kind": "step", "step": self.step, "loss": 1.0 / self.step, "seconds": 0.1, "at": now(),
+                        "tokens_per_second": 10.0, "mfu": 0.5}]
             done = False
             if self.step % every == 0:
                 world.committed = self.step
-                reports.append({"kind": "checkpoint", "step": self.step, "seconds": 0.01})
+                reports.append({"kind": "checkpoint", "step": self.step, "seconds": 0.01, "at": now()})
                 done = self.stop
             done = done or self.step >= self.specs[0].steps
             return [HostStatus(list(reports), done, None) for _ in range(self.size)]
@@ -82,10 +92,11 @@ def make(world, chaos=(), steps=30):
     job = parse_job({"name": "t", "program": "m:p", "steps": steps, "global_batch": 8,
                      "hosts": {"min": 2, "max": 4, "devices_per_host": 2},
                      "checkpoint": {"dir": "/tmp/x", "every": 5}})
-    clock = iter(range(10**6))
+    ticks = itertools.count()
+    now = lambda: float(next(ticks))  # one clock for the controller and the hosts' stamps, 1 s a read
     return JobController(job, world, planner=fake_plan, fingerprint="f", chaos=chaos,
                          config=ControllerConfig(poll_interval_s=0, host_check_interval_s=0),
-                         group_cls=fake_group_cls(world, 5), clock=lambda: float(next(clock)),
+                         group_cls=fake_group_cls(world, 5, now), clock=now, wall=now,
                          sleep=lambda s: None, printer=lambda s: None)
 
 
@@ -169,3 +180,34 @@ def test_an_error_in_the_program_fails_the_job_with_its_traceback():
     world.broken = True
     assert c.step() is Phase.FAILED
     assert "ZeroDivisionError" in c.summary.reason
+
+
+def test_goodput_parts_add_up_to_wall_time_and_recomputed_steps_are_lost():
+    world = World(4)
+    c = make(world, chaos=parse_chaos("lose@12"), steps=20)
+    summary = c.run()
+    g = summary.goodput
+    parts = g["useful_seconds"] + sum(g["badput_seconds"].values())
+    assert parts == pytest.approx(g["wall_seconds"], abs=1e-6)
+    # Every step counts as useful once (20 x 0.1 s); steps 11 and 12 ran twice (restored from
+    # step 10), and their second run is lost, as is the time the failure took to detect.
+    assert g["useful_seconds"] == pytest.approx(20 * 0.1)
+    assert g["badput_seconds"]["lost"] >= 2 * 0.1
+    assert g["badput_seconds"]["checkpoint"] == pytest.approx(4 * 0.01)  # steps 5, 10, then 15, 20
+    assert g["badput_seconds"]["planning"] > 0 and g["badput_seconds"]["startup"] > 0
+    assert summary.throughput["mfu"] == 0.5 and summary.throughput["steps_measured"] == 22
+    assert [s["median_step_seconds"] for s in summary.segments] == [0.1, 0.1]
+
+
+@pytest.mark.parametrize("lost_host", [0, 3])
+def test_steps_reported_in_the_poll_that_finds_a_loss_are_kept_even_without_process_0(lost_host):
+    world = World(4)
+    world.survivors_report = True
+    c = make(world, chaos=parse_chaos(f"lose@12:{lost_host}"), steps=20)
+    seen = []
+    while not c.phase.is_terminal:
+        c.step()
+        if c.summary.events and c.summary.events[-1]["kind"] == "host_lost" and not seen:
+            seen = sorted(c.summary.losses)
+    # Step 13 came only from the survivors' answers to the poll that found the loss.
+    assert seen[-1] == 13 and c.summary.losses[13] == pytest.approx(1 / 13)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from helpers.jobs import gpt_job
 
 pytestmark = pytest.mark.ray
 
@@ -21,21 +22,9 @@ RECOVERY_LIMIT_S = 20.0
 def run_job(tmp_path_factory, name, steps, chaos=None):
     d = tmp_path_factory.mktemp(name)
     job = d / "job.toml"
-    job.write_text(f"""
-name = "{name}"
-program = "examples.gpt.model:program"
-steps = {steps}
-global_batch = 24
-[hosts]
-min = 2
-max = 4
-devices_per_host = 2
-[checkpoint]
-dir = "ckpt"
-every = 10
-keep = 3
-""")
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(job), "--summary", str(d / "summary.json")]
+    job.write_text(gpt_job(name, steps, max_hosts=4, checkpoint_dir="ckpt"))
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(job), "--summary", str(d / "summary.json"),
+           "--store", str(d / "fleet.db")]
     if chaos:
         cmd += ["--chaos", chaos]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -43,6 +32,7 @@ keep = 3
     assert proc.returncode == 0, f"remesh run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     summary = json.loads((d / "summary.json").read_text())
     summary["_ckpt"] = str(d / "ckpt")
+    summary["_store"] = str(d / "fleet.db")
     summary["_stdout"] = proc.stdout
     return summary
 
@@ -158,3 +148,51 @@ def test_every_committed_checkpoint_survives_and_verifies(elastic, coordinator_l
         for step in steps:
             state = store.restore(step, target=abstract)
             assert state_digest(state) == store.metadata(step)["meta"]["digest"]
+
+
+def test_goodput_with_a_host_loss_adds_up_to_the_wall_time_with_each_part_measured(elastic):
+    g, b = elastic["goodput"], elastic["goodput"]["badput_seconds"]
+    assert g["useful_seconds"] + sum(b.values()) == pytest.approx(g["wall_seconds"], abs=1e-3)
+    assert g["wall_seconds"] == pytest.approx(elastic["wall_seconds"], abs=0.5)
+    assert g["goodput_ratio"] == pytest.approx(g["useful_seconds"] / g["wall_seconds"], abs=1e-3)
+    total = lambda kind: sum(e["seconds"] for e in kinds(elastic, kind))
+    # Each part is what the hosts and the controller measured for it (the ledger only clips overlaps).
+    assert b["planning"] == pytest.approx(total("replan"), abs=0.05)
+    assert b["compile"] == pytest.approx(total("compile"), abs=0.05)
+    assert b["restore"] == pytest.approx(total("restore"), abs=0.05)
+    assert b["checkpoint"] >= total("checkpoint") - 0.05  # plus the final flushes
+    # Steps after the restored checkpoint (if any) ran twice: the second run is lost, and so is the
+    # time the failure took to detect and the broken group to tear down.
+    lost_after = kinds(elastic, "host_lost")[0]["step"]
+    restored = kinds(elastic, "restore")[0]["step"]
+    assert lost_after >= restored and b["lost"] > 0  # detection and tear-down at least
+    assert b["startup"] > 0 and g["useful_seconds"] > 0
+    t = elastic["throughput"]
+    assert t["steps_measured"] == 100 + lost_after - restored
+    assert t["model_flops_per_step"] > 0 and 0 < t["mfu"] < 1 and t["tokens_per_second"] > 0
+
+
+def test_the_fleet_store_holds_the_run_as_its_summary_says(elastic):
+    from orchestrator.fleet import FleetStore
+
+    store = FleetStore(elastic["_store"])
+    job = store.job("elastic")
+    assert job["state"] == "finished" and job["steps_completed"] == 100 and job["devices"] == 8
+    assert job["goodput"] == elastic["goodput"] and job["throughput"] == elastic["throughput"]
+    assert [e["kind"] for e in store.events("elastic")] == [e["kind"] for e in elastic["events"]]
+    steps = store.steps("elastic")
+    assert {r["step"] for r in steps} == set(range(1, 101))
+    # The segment a loss ended is the one whose last step is the step the loss was seen after.
+    lost = {(e["step"], h) for e in kinds(elastic, "host_lost") for h in e["hosts"]}
+    assert lost
+    for seg, info in enumerate(elastic["segments"], start=1):
+        ran = sorted(r["step"] for r in steps if r["segment"] == seg and r["host"] == 0)
+        for host in range(info["hosts"]):
+            got = sorted(r["step"] for r in steps if r["segment"] == seg and r["host"] == host)
+            if (ran[-1], host) in lost:
+                # A killed host's last reports die with it: what it did report is a prefix.
+                assert got and got == ran[: len(got)], (seg, host)
+                lost.discard((ran[-1], host))
+            else:
+                assert got == ran, (seg, host)
+    assert not lost, f"host losses matched to no segment: {lost}"

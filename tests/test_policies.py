@@ -29,14 +29,16 @@ def test_failure_policy_decisions():
 
 
 def test_chaos_parsing_and_firing():
-    faults = parse_chaos("add@80, lose@40,lose-in-save@50:0")
-    assert faults == (Fault("lose", 40), Fault("lose-in-save", 50, 0), Fault("add", 80))
+    faults = parse_chaos("add@80, lose@40,lose-in-save@50:0,slow@5:1")
+    assert faults == (Fault("slow", 5, 1), Fault("lose", 40), Fault("lose-in-save", 50, 0), Fault("add", 80))
     inj = ChaosInjector(faults)
+    assert inj.slow_hosts() == {1: 5}
     assert inj.due(39) == []
     assert inj.due(45) == [Fault("lose", 40)]
     assert inj.due(45) == []  # fires once
     assert inj.save_faults() == [Fault("lose-in-save", 50, 0)]
     assert inj.due(100) == [Fault("add", 80)]
+    assert inj.slow_hosts() == {1: 5}  # a straggler stays one for every segment
     for bad in ("lose", "lose@x", "explode@3", "add@3:1"):
         with pytest.raises(ChaosSpecError):
             parse_chaos(bad)

@@ -1,0 +1,107 @@
+"""`remesh dashboard`: the fleet store as web pages and a JSON API, on 127.0.0.1 by default.
+
+    /                   every job: state, mesh, step, tokens/s, MFU, goodput
+    /jobs/<name>        one job: throughput and loss over time with resize, failure and restore
+                        events marked, goodput breakdown, the plan of each segment, per-host step times
+    /api/jobs           the fleet as JSON
+    /api/jobs/<name>    one job as JSON: its row, segments, events and step metrics
+                        (?points=N: at most about N steps per host, evenly thinned; default 2000)
+
+Charts are drawn in the browser by plotly.js, served from the `plotly` Python package, so the
+page needs nothing from the internet. The store is read on every request: the pages refresh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import re
+import threading
+import urllib.parse
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .fleet import FleetStore, FleetStoreConfig
+from .goodput import BADPUT, BADPUT_MEANING
+
+PAGES = importlib.resources.files(__package__) / "dashboard_pages"
+
+
+@dataclasses.dataclass(frozen=True)
+class DashboardConfig:
+    host: str = "127.0.0.1"  # only this machine, unless told otherwise
+    port: int = 8266
+    store: FleetStoreConfig = FleetStoreConfig()
+
+
+STEP_POINTS = 2000  # steps per host sent to a job page; longer jobs are thinned evenly
+
+
+def job_detail(store: FleetStore, name: str, points: int = STEP_POINTS) -> dict | None:
+    """A job's row, events and step rows; with more than `points` steps, every k-th step only
+    (`steps_every` says k)."""
+    job = store.job(name)
+    if job is None:
+        return None
+    every = max(1, -(-store.last_step(name) // max(1, points)))
+    return {"job": job, "events": store.events(name), "steps": store.steps(name, every), "steps_every": every,
+            "badput_meaning": {k: BADPUT_MEANING[k] for k in BADPUT}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    store: FleetStore
+    lock: threading.Lock
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = urllib.parse.urlparse(self.path).path
+        if path in ("/", "/index.html"):
+            return self._file("fleet.html", "text/html; charset=utf-8")
+        if re.fullmatch(r"/jobs/[^/]+", path):
+            return self._file("job.html", "text/html; charset=utf-8")
+        if path == "/static/plotly.min.js":
+            return self._plotly()
+        if path == "/api/jobs":
+            with self.lock:
+                return self._json(self.store.jobs())
+        m = re.fullmatch(r"/api/jobs/([^/]+)", path)
+        if m:
+            name = urllib.parse.unquote(m[1])
+            query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+            try:
+                points = int(query.get("points", [STEP_POINTS])[0])
+            except ValueError:
+                return self._json({"error": f"points must be an integer, got {query['points'][0]!r}"},
+                                  HTTPStatus.BAD_REQUEST)
+            with self.lock:
+                detail = job_detail(self.store, name, points)
+            if detail is None:
+                return self._json({"error": f"no job named {name!r} in {self.store.path}"}, HTTPStatus.NOT_FOUND)
+            return self._json(detail)
+        self._json({"error": f"no such page {path!r}; try / or /api/jobs"}, HTTPStatus.NOT_FOUND)
+
+    def _file(self, name: str, content_type: str) -> None:
+        self._send((PAGES / name).read_bytes(), content_type)
+
+    def _plotly(self) -> None:
+        data = (importlib.resources.files("plotly") / "package_data" / "plotly.min.js").read_bytes()
+        self._send(data, "application/javascript", cache=True)
+
+    def _json(self, value, status: HTTPStatus = HTTPStatus.OK) -> None:
+        self._send(json.dumps(value).encode(), "application/json", status=status)
+
+    def _send(self, body: bytes, content_type: str, *, status: HTTPStatus = HTTPStatus.OK, cache: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "max-age=86400" if cache else "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's signature)
+        pass  # quiet: the dashboard polls
+
+
+def make_server(config: DashboardConfig = DashboardConfig()) -> ThreadingHTTPServer:
+    """A server bound to `config.host:port` (port 0: any free one; see `server_address`)."""
+    handler = type("Handler", (_Handler,), {"store": config.store.open(), "lock": threading.Lock()})
+    return ThreadingHTTPServer((config.host, config.port), handler)

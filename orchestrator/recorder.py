@@ -1,0 +1,75 @@
+"""Where a controller's observations go besides its run summary: the fleet store and Ray's metrics.
+
+`Recorder` is the no-op the controller uses when neither is wanted (tests driving the state
+machine); `FleetRecorder` buffers rows and writes them to the store at most once per
+`flush_interval_s`, so a job of fast steps does not hold the store's write lock for each one.
+"""
+from __future__ import annotations
+
+import time
+
+
+class Recorder:
+    def started(self) -> None: ...
+    def event(self, event: dict) -> None: ...
+    def step(self, host: int, segment: int, report: dict) -> None: ...
+    def status(self, **fields) -> None: ...
+    def due(self) -> bool:
+        return False
+
+    def flush(self, force: bool = False) -> None: ...
+    def close(self) -> None: ...
+
+
+class FleetRecorder(Recorder):
+    def __init__(self, store, job, *, cluster: str, metrics=None, flush_interval_s: float = 1.0):
+        """`store`: a FleetStore; `metrics`: a RayMetrics for the job-wide gauges, or None."""
+        self.store, self.job, self.cluster, self.metrics = store, job, cluster, metrics
+        self.flush_interval_s = flush_interval_s
+        self._events: list[dict] = []
+        self._steps: list[dict] = []
+        self._status: dict = {}
+        self._last_flush = 0.0
+
+    def started(self) -> None:
+        self.store.start_job(self.job.name, cluster=self.cluster, steps=self.job.steps)
+
+    def event(self, event: dict) -> None:
+        """A summary event, its `at` in wall-clock seconds."""
+        self._events.append(event)
+        if event["kind"] == "host_lost" and self.metrics:
+            self.metrics.inc("remesh_host_losses_total", job=self.job.name)
+
+    def step(self, host: int, segment: int, report: dict) -> None:
+        self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in (
+            "step", "at", "loss", "seconds", "tokens_per_second", "mfu", "input_seconds", "wait_seconds")}})
+        if host == 0 and self.metrics:
+            self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
+
+    def status(self, **fields) -> None:
+        self._status.update(fields)
+        if self.metrics:
+            if fields.get("goodput_ratio") is not None:
+                self.metrics.set("remesh_goodput_ratio", fields["goodput_ratio"], job=self.job.name)
+            for kind, seconds in fields.get("goodput", {}).get("badput_seconds", {}).items():
+                self.metrics.set("remesh_badput_seconds", seconds, job=self.job.name, kind=kind)
+            if fields.get("devices"):
+                self.metrics.set("remesh_devices", fields["devices"], job=self.job.name)
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last_flush >= self.flush_interval_s
+
+    def flush(self, force: bool = False) -> None:
+        if not (force or self.due()):
+            return
+        self._last_flush = time.monotonic()
+        if self._events or self._steps:
+            self.store.add(self.job.name, events=self._events, steps=self._steps)
+            self._events, self._steps = [], []
+        if self._status:
+            self.store.update_job(self.job.name, **self._status)
+            self._status = {}
+
+    def close(self) -> None:
+        self.flush(force=True)
+        self.store.close()

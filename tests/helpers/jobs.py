@@ -1,0 +1,19 @@
+"""Job files the end-to-end tests run: the example GPT on emulated hosts of 2 fake CPU devices."""
+
+
+def gpt_job(name: str, steps: int, *, max_hosts: int, checkpoint_dir: str) -> str:
+    """A job file's text: batch 24 (divides every mesh the hosts give), a checkpoint every 10 steps."""
+    return f"""
+name = "{name}"
+program = "examples.gpt.model:program"
+steps = {steps}
+global_batch = 24
+[hosts]
+min = 2
+max = {max_hosts}
+devices_per_host = 2
+[checkpoint]
+dir = "{checkpoint_dir}"
+every = 10
+keep = 3
+"""
