@@ -5,15 +5,19 @@ until nothing changes.
 A value's sharding is a tuple with one entry per dimension: the mesh axes that dimension is split
 over (major to minor), `()` for replicated. Within one op a factor takes the axes of the largest
 value that gives it some (on ties, operands before results on forward sweeps, results first on
-backward sweeps); a value more than twice the size of the one that set a contested axis takes it
-over; an assignment is dropped when the factor's size does not divide by the axes' product or
-when an axis is already used by another dimension of the same value. Annotations named `first`
-(the batch) spread before the rest, and in each stage broadcasts are followed last.
+backward sweeps); a value at least twice the size of the operand that carries a contested axis
+takes it over; an assignment is dropped when the factor's size does not divide by the axes'
+product or when an axis is already used by another dimension of the same value. Annotations named
+`first` (the batch) spread before the rest, and in each stage broadcasts are followed last. Where a
+weight took an axis over, propagation runs again with that op's result split the weight's way from
+the start, so the activation and the gradient that flow from it keep that split (as XLA computes
+an FSDP matmul whose weight is larger than its input: it moves the input, not the weight).
 
 The result also lists, per op, the communication the assignment implies: a sharded REDUCE factor
 leaves partial sums to all-reduce (or to reduce-scatter, when the result is split over the same
 axes); an operand whose given sharding differs from what the op's factors ask must be resharded,
-except a value computed from literals alone.
+except a value computed from literals alone, and a scatter-add into such a value (a lookup's
+gradient), which is made in the layout asked for by moving its indices and updates.
 """
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
     """`annotations`: value id -> sharding (inputs, usually: parameters and batch). Annotated values
     keep their sharding; the rest are filled in. Annotations named in `first` (the batch) spread
     alone before the others join, as a higher priority: where a weight's FSDP split and the
-    batch's split want the same axis for one op, the weight is the one gathered.
+    batch's split want the same axis for one op, the weight is the one gathered, unless it is at
+    least twice the size of the activation (then the activation moves, as in XLA).
 
     Example:
         >>> p = propagate(g, {g.inputs[0]: (("data",), ()), g.inputs[1]: ((), ("model",))}, {"data": 2, "model": 4})
@@ -58,15 +63,28 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
     """
     annotations = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
     stages = [{v: s for v, s in annotations.items() if v in first}, annotations] if first else [annotations]
-    shardings: dict[int, Sharding] = {}
-    fixed: set[int] = set()
-    factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
-    claims: dict[int, dict[int, int]] = {op.id: {} for op in graph.ops}  # bytes of the value that set each factor
-    touching: dict[int, list[int]] = {}
+    touching: dict[int, list[int]] = {}  # value -> the ops that read or make it
     for op in graph.ops:
         for v in op.operands + op.results:
             if v >= 0:
                 touching.setdefault(v, []).append(op.id)
+    shardings, factor_axes, takeovers = _run(graph, stages, mesh, max_sweeps, {}, touching)
+    seeds = _seeds(graph, takeovers, annotations)
+    if seeds:
+        # A weight took an axis over from the batch at some matmuls: XLA then computes that
+        # matmul's result split the weight's way, and the values that flow from it (its
+        # activation, the gradient coming back) keep that split. Rerun with those results
+        # split so from the start, beside the batch.
+        shardings, factor_axes, _ = _run(graph, stages, mesh, max_sweeps, seeds, touching)
+    return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
+
+
+def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Sharding], touching: Mapping[int, list[int]]):
+    shardings: dict[int, Sharding] = dict(seeds)  # not fixed: they only claim their axes first
+    fixed: set[int] = set()
+    factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
+    claims: dict[int, dict[int, int]] = {op.id: {} for op in graph.ops}  # bytes of the operand that set each factor
+    takeovers: list[tuple[int, int, tuple[str, ...]]] = []  # (op, factor, axes) a larger operand took over
     info = _op_info(graph)
     for n, stage in enumerate(stages):
         shardings.update(stage)
@@ -82,12 +100,27 @@ def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[s
                     if op.id in dirty:
                         dirty.discard(op.id)
                         for v in _step(graph, op, info[op.id], shardings, fixed, factor_axes[op.id], claims[op.id], mesh,
-                                       sweep % 2 == 0, strict):
+                                       sweep % 2 == 0, strict, takeovers):
                             changed.add(v)
                             dirty.update(touching[v])  # only ops that see a changed value can change anything
                 if not changed:
                     break
-    return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
+    return shardings, factor_axes, takeovers
+
+
+def _seeds(graph: Graph, takeovers, annotations) -> dict[int, Sharding]:
+    """Results of the ops where a larger operand took an axis over, split along the factor it won."""
+    seeds: dict[int, list] = {}
+    for op_id, factor, axes in takeovers:
+        op = graph.ops[op_id]
+        for value, dims in zip(op.results, op.result_dims):
+            if value < 0 or value in annotations or len(dims) != len(graph.values[value].shape):
+                continue
+            seed = seeds.setdefault(value, [()] * len(dims))
+            for d, factors in enumerate(dims):
+                if factors and factors[0] == factor and not seed[d] and not {a for x in seed for a in x} & set(axes):
+                    seed[d] = axes
+    return {v: tuple(s) for v, s in seeds.items() if any(s)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +131,7 @@ class _OpInfo:
     by_size_backward: tuple
     largest: int
     broadcasting: bool
+    operand_bytes: dict  # factor -> bytes of the largest operand that carries it
 
 
 def _op_info(graph: Graph) -> list[_OpInfo]:
@@ -109,13 +143,19 @@ def _op_info(graph: Graph) -> list[_OpInfo]:
             size = lambda v: graph.values[v].nbytes if v >= 0 else 0
             ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))
             by_size = ranked(fwd)
-            out.append(_OpInfo(fwd, bwd, by_size, ranked(bwd), by_size[0][2] if by_size else 0, op.primitive in _BROADCASTING))
+            carried: dict[int, int] = {}
+            for v, dims in zip(op.operands, op.operand_dims):
+                for factors in dims:
+                    for f in factors:
+                        carried[f] = max(carried.get(f, 0), size(v))
+            out.append(_OpInfo(fwd, bwd, by_size, ranked(bwd), by_size[0][2] if by_size else 0, op.primitive in _BROADCASTING,
+                               carried))
         graph._op_info = out
     return graph._op_info
 
 
 def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict, claims: dict, mesh, forward: bool,
-          strict: bool) -> list[int]:
+          strict: bool, takeovers: list) -> list[int]:
     # The largest values choose first, and in the first (strict) pass a value broadcast into a
     # larger elementwise op chooses nothing: a layer norm's sharded scale must not split the
     # activations it scales along the hidden dimension before the batch's sharding arrives
@@ -127,16 +167,19 @@ def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict,
         for axes, factors in zip(shardings[value], dims):
             if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
                 taken = [f for f, a in assigned.items() if set(axes) & set(a)]
-                # An operand more than twice the size of the one that claimed the axis takes it
+                # An operand at least twice the size of the one that claimed the axis takes it
                 # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
                 # FSDP-split weight and batch-split activation want the same axis.
-                if taken and all(2 * claims.get(f, 0) < nbytes for f in taken):
+                if taken and all(2 * claims.get(f, 0) <= nbytes for f in taken):
                     for f in taken:
                         del assigned[f]
                     taken = []
+                    takeovers.append((op.id, factors[0], tuple(axes)))
                 if not taken:
                     assigned[factors[0]] = tuple(axes)
-                    claims[factors[0]] = nbytes
+                    # What giving the axis up would cost is moving the operand that carries the
+                    # factor, not the result that proposed it.
+                    claims[factors[0]] = info.operand_bytes.get(factors[0], nbytes)
     if not assigned:
         return []
     changed = []
@@ -172,6 +215,10 @@ def _fits(size: int, axes, mesh) -> bool:
 def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communication]:
     out = []
     constant = _constants(graph)
+    # A scatter-add into a constant buffer (an embedding's or a label lookup's gradient) is
+    # made in whatever layout its reader wants by moving its small indices and updates instead.
+    scattered = {op.results[0]: [v for v in op.operands if v >= 0 and v not in constant] for op in graph.ops
+                 if op.primitive == "scatter-add" and op.operands[0] in constant}
     for op in graph.ops:
         assigned = factor_axes[op.id]
         for f, axes in assigned.items():
@@ -187,7 +234,8 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
             for d, (axes, factors) in enumerate(zip(shardings[value], dims)):
                 want = assigned.get(factors[0], ()) if factors else ()
                 if axes and tuple(axes) != tuple(want):
-                    out.append(Communication(op.id, "reshard", value, tuple(axes), _per_device_bytes(graph, value, shardings, mesh)))
+                    for moved in scattered.get(value, [value]):
+                        out.append(Communication(op.id, "reshard", moved, tuple(axes), _per_device_bytes(graph, moved, shardings, mesh)))
                     break
     return out
 

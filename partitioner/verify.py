@@ -88,15 +88,17 @@ def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=Non
 
 def parse_collectives(hlo: str) -> list[Collective]:
     """Collectives in optimized HLO text; an async pair (`-start`/`-done`) counts once, and one
-    in a while loop's body (a scanned layer) counts the loop's known trip count times."""
+    in a while loop's body (a scanned layer) counts the loop's known trip count times.
+
+    An all-reduce whose every reader takes one group member's 1/p slice of it is a reduce-scatter
+    and is counted as one (its result being that slice): XLA's GPU and TPU pipelines rewrite the
+    pair into a reduce-scatter (ReduceScatterCreator), the CPU backend these plans are compiled on
+    has no such pass and sends the whole sum. For a tuple all-reduce (combined gradients) the
+    elements read that way are counted as a reduce-scatter and the rest as an all-reduce."""
     out = []
     runs = _runs_per_computation(hlo)
-    computation = None
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-            continue
+    scattered = _scattered_elements(hlo)
+    for computation, line in _instruction_lines(hlo):
         m = _LINE.search(line)
         if not m or "-done" in line.split("=", 1)[-1].split("(", 1)[0]:
             continue
@@ -104,9 +106,108 @@ def parse_collectives(hlo: str) -> list[Collective]:
         arrays = _ARRAY.findall(shape)
         if m.group("start") and m.group("kind") in ("all-gather", "collective-permute") and len(arrays) > 1:
             arrays = arrays[len(arrays) // 2:]  # (operands, results): the results
-        nbytes = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in arrays)
-        out.append(Collective(m.group("kind"), nbytes, _group_size(line), line.strip()[:160], _group_span(line),
-                              runs.get(computation, 1)))
+        sizes = [_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in arrays]
+        p, span, count, text = _group_size(line), _group_span(line), runs.get(computation, 1), line.strip()[:160]
+        sliced = scattered.get(_name(line), set()) if m.group("kind") == "all-reduce" and p > 1 else set()
+        whole = sum(n for i, n in enumerate(sizes) if i not in sliced)
+        if whole or not sliced:
+            out.append(Collective(m.group("kind"), whole, p, text, span, count))
+        if sliced:
+            out.append(Collective("reduce-scatter", sum(sizes[i] for i in sliced) // p, p, text, span, count))
+    return out
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
+
+
+def _instruction_lines(hlo: str):
+    """(computation name, line) for each line inside a computation."""
+    computation = None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+        else:
+            yield computation, line
+
+
+def _name(line: str) -> str | None:
+    m = _INSTRUCTION.match(line)
+    return m.group(1) if m else None
+
+
+def _parse_instructions(hlo: str):
+    """name -> (opcode, operand names, element count of an array result, attributes text), and
+    each fused computation's parameters by index."""
+    ops, params = {}, {}
+    for computation, line in _instruction_lines(hlo):
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+            depth = 0
+            for i, ch in enumerate(rest):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    break
+            shape, rest = rest[: i + 1], rest[i + 1:].lstrip()
+        else:
+            shape, _, rest = rest.partition(" ")
+        opcode, _, tail = rest.partition("(")
+        args, _, attrs = tail.partition(")")
+        array = _ARRAY.match(shape)
+        elements = math.prod(int(d) for d in array.group(2).split(",") if d) if array and not shape.startswith("(") else None
+        ops[m.group(1)] = (opcode, re.findall(r"%([\w.\-]+)", args), elements, attrs)
+        if opcode == "parameter":
+            params.setdefault(computation, {})[int(args)] = m.group(1)
+    return ops, params
+
+
+def _scattered_elements(hlo: str) -> dict[str, set[int]]:
+    """all-reduce name -> indices of its results (0 for an array) that are only ever read as one
+    1/p slice by dynamic-slice, directly or inside a fusion."""
+    ops, params = _parse_instructions(hlo)
+    users: dict[str, list[str]] = {}
+    for name, (_, operands, _, _) in ops.items():
+        for o in operands:
+            users.setdefault(o, []).append(name)
+
+    def sliced(value: str, elements: int, p: int) -> bool:
+        readers = users.get(value, [])
+        for r in readers:
+            opcode, operands, out, attrs = ops[r]
+            if opcode == "dynamic-slice" and operands[0] == value and out and out * p == elements:
+                continue
+            if opcode == "all-reduce-done" and sliced(r, elements, p):  # an async pair: its readers read the done
+                continue
+            callee = re.search(r"calls=%([\w.\-]+)", attrs)
+            if opcode == "fusion" and callee and all(
+                    sliced(params.get(callee.group(1), {}).get(k, ""), elements, p) for k, o in enumerate(operands) if o == value):
+                continue
+            return False
+        return bool(readers)
+
+    out: dict[str, set[int]] = {}
+    for name, (opcode, _, elements, attrs) in ops.items():
+        if opcode not in ("all-reduce", "all-reduce-start"):
+            continue
+        p = _group_size(attrs)
+        if p <= 1:
+            continue
+        if elements is not None:
+            if sliced(name, elements, p):
+                out[name] = {0}
+            continue
+        got = set()
+        for r in users.get(name, []):
+            opcode_r, _, n, attrs_r = ops[r]
+            index = re.search(r"index=(\d+)", attrs_r)
+            if opcode_r == "get-tuple-element" and index and n and sliced(r, n, p):
+                got.add(int(index.group(1)))
+        if got:
+            out[name] = got
     return out
 
 

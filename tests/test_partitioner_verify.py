@@ -75,3 +75,54 @@ def test_too_few_devices_is_a_clear_error(devices8):
     plan = Plan(mesh={"data": 16}, in_specs=(P("data"),), out_specs=P("data"), cost=Cost(0, 0, {}, 0), search_seconds=0, devices=16)
     with pytest.raises(VerifyDevicesError, match="needs that many, got 8.*device_count=16"):
         verify(plan, lambda x: x * 2, f32(32))
+
+
+def test_an_all_reduce_read_only_as_one_slice_per_device_counts_as_a_reduce_scatter():
+    # The CPU backend leaves all-reduce + dynamic-slice where GPU and TPU emit a reduce-scatter.
+    hlo = """
+%fused (param_0.1: f32[8,4], param_1.1: s32[]) -> f32[2,4] {
+  %param_0.1 = f32[8,4]{1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds.1 = f32[2,4]{1,0} dynamic-slice(%param_0.1, %param_1.1, %c), dynamic_slice_sizes={2,4}
+}
+
+ENTRY %main (x: f32[8,4], y: f32[8,4], z: f32[4], w: f32[8,4], v: f32[8,4], pid: s32[]) -> (f32[2,4], f32[2,4], f32[4], f32[8,4], f32[2,4]) {
+  %ar = f32[8,4]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %f = f32[2,4]{1,0} fusion(%ar, %pid), kind=kLoop, calls=%fused
+  %art = (f32[8,4]{1,0}, f32[4]{0}) all-reduce(%y, %z), replica_groups={{0,1,2,3}}, to_apply=%add
+  %g0 = f32[8,4]{1,0} get-tuple-element(%art), index=0
+  %g1 = f32[4]{0} get-tuple-element(%art), index=1
+  %ds = f32[2,4]{1,0} dynamic-slice(%g0, %pid, %pid), dynamic_slice_sizes={2,4}
+  %sum = f32[4]{0} add(%g1, %g1)
+  %kept = f32[8,4]{1,0} all-reduce(%w), replica_groups={{0,1,2,3}}, to_apply=%add
+  %ds2 = f32[2,4]{1,0} dynamic-slice(%kept, %pid, %pid), dynamic_slice_sizes={2,4}
+  %as = f32[8,4]{1,0} all-reduce-start(%v), replica_groups={{0,1,2,3}}, to_apply=%add
+  %ad = f32[8,4]{1,0} all-reduce-done(%as)
+  %ds3 = f32[2,4]{1,0} dynamic-slice(%ad, %pid, %pid), dynamic_slice_sizes={2,4}
+  ROOT %t = (f32[2,4]{1,0}, f32[2,4]{1,0}, f32[4]{0}, f32[8,4]{1,0}, f32[2,4]{1,0}) tuple(%f, %ds, %sum, %kept, %ds3)
+}
+"""
+    got = [(c.kind, c.bytes, c.group_size) for c in parse_collectives(hlo)]
+    assert got == [("reduce-scatter", 8 * 4 * 4 // 4, 4),  # read only through the fusion's slice
+                   ("all-reduce", 4 * 4, 4), ("reduce-scatter", 8 * 4 * 4 // 4, 4),  # one element sliced, one read whole
+                   ("all-reduce", 8 * 4 * 4, 4),  # also read whole
+                   ("reduce-scatter", 8 * 4 * 4 // 4, 4)]  # async: read as slices after its done
+
+
+def test_fsdp_mlp_moves_the_small_activation_and_keeps_the_large_weights_split_as_xla_does(devices8):
+    # w1 is 4x the batch: XLA gathers the activation, computes the hidden layer split by w1's
+    # columns, and all-reduces the second matmul's partial sums; no weight moves.
+    mesh = {"data": 8}
+    args = (f32(64, 64), f32(64, 256), f32(256, 64))
+    annotations = [(("data",), ()), ((), ("data",)), (("data",), ())]
+    g = capture(mlp, *args)
+    p = propagate(g, dict(zip(g.inputs, annotations)), mesh, first=[g.inputs[0]])
+    c = estimate(g, p, mesh, profile("h100"))
+    predicted = Cost(c.compute_seconds, c.communication_seconds, c.collective_bytes, c.peak_bytes_per_device)
+    assert p.of(g.outputs[0], 2) == ((), ())  # the hidden layer no longer carries the batch's split
+    plan = Plan(mesh=mesh, in_specs=(P("data"), P(None, "data"), P("data")), out_specs=P(), cost=predicted,
+                search_seconds=0.0, devices=8)
+    v = verify(plan, mlp, *args)
+    assert {k: n for k, n in v.collective_bytes.items() if n} == {k: n for k, n in predicted.collective_bytes.items() if n}
+    assert set(v.collective_bytes) == {"all-gather", "all-reduce"}
