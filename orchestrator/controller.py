@@ -255,7 +255,7 @@ class JobController:
             self._kill(host, f"lose-in-save@{r['step']}")
             return
         if kind == "step":
-            self.recorder.step(host, len(self.summary.segments), r)
+            self.recorder.step(host, len(self.summary.segments), r, speaker=host == speaker)
         if host != speaker:
             return  # SPMD: every host reports the same steps; process 0 speaks for the group
         self._account(r)

@@ -12,7 +12,7 @@ import time
 class Recorder:
     def started(self) -> None: ...
     def event(self, event: dict) -> None: ...
-    def step(self, host: int, segment: int, report: dict) -> None: ...
+    def step(self, host: int, segment: int, report: dict, speaker: bool) -> None: ...
     def status(self, **fields) -> None: ...
     def due(self) -> bool:
         return False
@@ -40,10 +40,11 @@ class FleetRecorder(Recorder):
         if event["kind"] == "host_lost" and self.metrics:
             self.metrics.inc("remesh_host_losses_total", job=self.job.name)
 
-    def step(self, host: int, segment: int, report: dict) -> None:
+    def step(self, host: int, segment: int, report: dict, speaker: bool) -> None:
+        """One host's step report; `speaker` when this host speaks for the group (the loss gauge)."""
         self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in (
             "step", "at", "loss", "seconds", "tokens_per_second", "mfu", "input_seconds", "wait_seconds")}})
-        if host == 0 and self.metrics:
+        if speaker and self.metrics:
             self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
 
     def status(self, **fields) -> None:
