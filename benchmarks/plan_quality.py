@@ -31,8 +31,8 @@ def main() -> None:
         rows.append({"model": name, "chosen": plan.notes[0].split()[1], "mesh": plan.mesh, "search_s": round(seconds, 3),
                      "candidates": len(ranked), "predicted_collective_bytes": predicted, "compiled_collective_bytes": compiled,
                      "bytes_ratio": round(compiled / predicted, 4) if predicted else None,
-                     "predicted_peak": plan.cost.peak_bytes_per_device, "compiled_peak": v.peak_bytes,
-                     "peak_ratio": round(v.peak_bytes / plan.cost.peak_bytes_per_device, 4)})
+                     "predicted_peak": plan.cost.peak_bytes_per_device, "predicted_peak_xla_cpu": v.predicted_peak_bytes,
+                     "compiled_peak": v.peak_bytes, "peak_ratio": round(v.peak_bytes / v.predicted_peak_bytes, 4)})
         print(json.dumps(rows[-1]), flush=True)
 
 

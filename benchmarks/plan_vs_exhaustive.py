@@ -97,7 +97,7 @@ def main() -> None:
         chosen = fitting if len(fitting) <= COMPILE_ALL_BELOW else fitting[:TOP]
         best, best_s = None, float("inf")
         for p in chosen:
-            plan = automap._to_plan(inputs, p, args, 8, 0.0, [p], limit)
+            plan = automap._to_plan(inputs, p, args, 8, 0.0, [p], limit, profile("h100"))
             seconds, peak = compiled(plan, fn, args)
             if peak <= limit and seconds < best_s:
                 best, best_s = p, seconds

@@ -150,7 +150,7 @@ def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_l
     t2 = time.perf_counter()
     timing = (f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops), fold {inputs.seconds[1]:.2f} s "
               f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})")
-    plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, timing)
+    plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing)
     return plan, ranked
 
 
@@ -473,7 +473,7 @@ def _mirror_optimizer_state(inputs: _Inputs, annotations: Mapping[int, Sharding]
 
 
 def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: float, ranked: list[Candidate], limit: int,
-             timing: str = "") -> Plan:
+             hw: Hardware, timing: str = "") -> Plan:
     g = inputs.graph
     specs = [_spec(best.propagation.of(v, len(g.values[v].shape))) for v in inputs.ids]
     it = iter(specs)
@@ -481,7 +481,9 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: floa
     outs = iter(_spec(best.propagation.of(v, len(g.values[v].shape)) if v >= 0 else ()) for v in g.outputs)
     out_specs = jax.tree.map(lambda _: next(outs), g.out_shape)
     c = best.cost
-    cost = Cost(c.compute_seconds, c.communication_seconds, dict(c.collective_bytes), c.peak_bytes_per_device)
+    cpu_peak = c.peak_bytes_per_device if hw.copies_transposed_lhs else estimate(
+        g, best.propagation, best.mesh, dataclasses.replace(hw, copies_transposed_lhs=True), inputs.fold).peak_bytes_per_device
+    cost = Cost(c.compute_seconds, c.communication_seconds, dict(c.collective_bytes), c.peak_bytes_per_device, cpu_peak)
     # Why: the best candidate of every other tactic, and the next best of the chosen one.
     seen, runners = {best.tactic}, [r for r in ranked if r is not best and r.tactic == best.tactic][:1]
     for r in ranked:

@@ -77,9 +77,9 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
         comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
     if fold is not None:
-        peak = fold.peak_bytes({v: _device_bytes(graph, v, prop, mesh) for v in mat}, held)
+        peak = fold.peak_bytes({v: _device_bytes(graph, v, prop, mesh) for v in mat}, held, hardware.copies_transposed_lhs)
     else:
-        peak = peak_bytes(graph, prop, mesh, held)
+        peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
     return GraphCost(compute, comm, sent, peak)
 
 
@@ -150,9 +150,9 @@ def _device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
     return v.nbytes // max(parts, 1)
 
 
-def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset()) -> int:
+def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset(), copies: bool = False) -> int:
     """The most bytes live on one device at once, as XLA lays buffers out (`memory.peak`);
     `held`: values a combined all-reduce keeps until the last of them is made."""
     life = memory.liveness(graph)
     sizes = np.array([_device_bytes(graph, int(v), prop, mesh) for v in life.values], dtype=np.float64)
-    return memory.peak(life, sizes, np.isin(life.values, list(held)))
+    return memory.peak(life, sizes, np.isin(life.values, list(held)), copies)

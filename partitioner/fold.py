@@ -40,15 +40,16 @@ class Fold:
     def of(self, value: int) -> int:
         return int(self.rep[value]) if value >= 0 else value
 
-    def peak_bytes(self, device_bytes: Mapping[int, int], held=frozenset()) -> int:
+    def peak_bytes(self, device_bytes: Mapping[int, int], held=frozenset(), copies: bool = False) -> int:
         """Most bytes live on one device over the unrolled program, as XLA lays buffers out
         (`memory.peak`); `device_bytes`: per representative value, its bytes on one device;
-        `held`: representatives of values a combined all-reduce keeps until the last is made."""
+        `held`: representatives of values a combined all-reduce keeps until the last is made;
+        `copies`: the backend copies a transposed lhs (`Hardware.copies_transposed_lhs`)."""
         per_rep = np.zeros(len(self.rep), dtype=np.float64)
         for v, n in device_bytes.items():
             per_rep[v] = n
         reps = self.rep[self._life.values]
-        return memory.peak(self._life, per_rep[reps], np.isin(reps, list(held)))
+        return memory.peak(self._life, per_rep[reps], np.isin(reps, list(held)), copies)
 
 
 def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids: Sequence[int] | None = None) -> Fold:
@@ -161,7 +162,7 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
     inputs = list(dict.fromkeys(find(v) for v in graph.inputs))
     folded = Graph(graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape)
     life = memory.liveness(graph)
-    materialized = {find(int(v)) for v in life.values}
+    materialized = {find(int(v)) for v in life.values[~life.copy]}
     return Fold(folded, rep, mult, materialized, len(graph.ops), life)
 
 

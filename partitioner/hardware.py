@@ -24,6 +24,11 @@ class Hardware:
     devices_per_host: int
     intra: Link
     inter: Link
+    # XLA:CPU's dot kernels read the lhs with its contracting dimensions minor: a lhs contracted
+    # over a major dimension (x^T in a weight gradient) is first copied transposed, a buffer
+    # made beside the lhs and freed after the dot. cuBLAS and the TPU's MXU take the transpose
+    # in the kernel.
+    copies_transposed_lhs: bool = False
 
     def link(self, group_size: int) -> Link:
         """The slowest link a collective over `group_size` consecutive devices crosses."""
@@ -51,7 +56,8 @@ PROFILES: dict[str, Hardware] = {
     "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * GiB, 2.76e12, 4, Link(90 * GB, 5e-6), Link(90 * GB, 5e-6)),
     "tpu-v5e": Hardware("tpu-v5e", 197e12, 16 * GB, 0.82e12, 4, Link(45 * GB, 5e-6), Link(45 * GB, 5e-6)),
     # Fake CPU devices in tests: modest figures so that plans are exercised, not praised.
-    "cpu": Hardware("cpu", 100e9, 4 * GiB, 20 * GB, 2, Link(5 * GB, 20e-6), Link(1 * GB, 50e-6)),
+    "cpu": Hardware("cpu", 100e9, 4 * GiB, 20 * GB, 2, Link(5 * GB, 20e-6), Link(1 * GB, 50e-6),
+                    copies_transposed_lhs=True),
 }
 
 

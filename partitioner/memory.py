@@ -8,8 +8,11 @@ values whose live ranges end before the result's begins), otherwise it takes hea
 Gradients reduced by one combined all-reduce (XLA's combiner packs independent all-reduces) all
 stay live until the last of them is made.
 
-Values live from the op that makes them to their last use, on the unrolled program's timeline;
-which values reach memory at all is `cost.materialized`.
+Values live from the op that makes them to their last use, on the unrolled program's timeline,
+an elementwise op fused into a later kernel reading when that kernel runs; which values reach
+memory at all is `cost.materialized`. On a backend whose dot kernels cannot read a transposed lhs
+(`Hardware.copies_transposed_lhs`, XLA:CPU) each such lhs has a transposed copy, made beside it
+and freed after its dot.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from collections import Counter
 
 import numpy as np
 
-from .ir import Graph
+from .ir import FactorKind, Graph, Op
 
 CANDIDATE_TIMES = 6  # the heap peak is sought at the times most temporaries are live
 
@@ -31,6 +34,7 @@ class Liveness:
     argument: np.ndarray  # bool per value
     result: np.ndarray  # bool per value (and not an argument)
     end: int
+    copy: np.ndarray  # bool per entry: a dot's transposed lhs (its value id repeated), on some backends only
 
 
 def liveness(graph: Graph) -> Liveness:
@@ -44,22 +48,56 @@ def liveness(graph: Graph) -> Liveness:
         for v in op.results:
             birth[v] = op.id
             death[v] = op.id  # never used: gone right after it is made
-        for v in op.operands:
-            if v >= 0:
-                death[v] = op.id
+    death.update(_last_reads(graph, mat))
     arguments, results = set(graph.inputs), {v for v in graph.outputs if v >= 0}
     for v in arguments | results:
         death[v] = end
     live = sorted(v for v in mat if v in birth)
-    return Liveness(np.array(live, dtype=np.int64), np.array([birth[v] for v in live], dtype=np.int64),
-                    np.array([death[v] for v in live], dtype=np.int64), np.array([v in arguments for v in live], dtype=bool),
-                    np.array([v in results and v not in arguments for v in live], dtype=bool), end)
+    copies = [(op.operands[0], op.id) for op in graph.ops if _transposed_lhs(op)]
+    values = live + [v for v, _ in copies]
+    made = [birth[v] for v in live] + [dot if v in arguments else birth.get(v, dot) for v, dot in copies]
+    return Liveness(np.array(values, dtype=np.int64), np.array(made, dtype=np.int64),
+                    np.array([death[v] for v in live] + [dot for _, dot in copies], dtype=np.int64),
+                    np.array([v in arguments for v in live] + [False] * len(copies), dtype=bool),
+                    np.array([v in results and v not in arguments for v in live] + [False] * len(copies), dtype=bool), end,
+                    np.array([False] * len(live) + [True] * len(copies), dtype=bool))
 
 
-def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None) -> int:
+def _transposed_lhs(op: Op) -> bool:
+    """A dot whose lhs is contracted over a dimension major to one it keeps (x^T y)."""
+    if op.primitive != "dot_general" or op.operands[0] < 0:
+        return False
+    kept = [i for i, d in enumerate(op.operand_dims[0]) if d and op.factors[d[0]].kind is not FactorKind.REDUCE]
+    contracted = [i for i, d in enumerate(op.operand_dims[0]) if d and op.factors[d[0]].kind is FactorKind.REDUCE]
+    return bool(kept and contracted) and min(contracted) < max(kept)
+
+
+def _last_reads(graph: Graph, mat) -> dict[int, int]:
+    """When each value is last read, a fused chain's reads counting when its kernel runs: an
+    elementwise op whose results stay in registers runs inside the fusion that makes the first
+    materialized value downstream, so what it reads lives until then (XLA computes a GELU's
+    gradient in one kernel that reads the pre-activation, the tanh and the incoming gradient)."""
+    from .cost import FUSIBLE
+
+    read: dict[int, int] = {}
+    for op in reversed(graph.ops):
+        t = op.id
+        if op.primitive in FUSIBLE and not any(r in mat for r in op.results):
+            t = max([read.get(r, op.id) for r in op.results] + [op.id])
+        for v in op.operands:
+            if v >= 0 and read.get(v, -1) < t:
+                read[v] = t
+    return read
+
+
+def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copies: bool = False) -> int:
     """`sizes`: bytes on one device of each of `life.values`; `held`: those a combined all-reduce
     reads (gradients), which live until the last of them is made, as the one collective that
-    reduces them all waits for it."""
+    reduces them all waits for it; `copies`: the backend copies a transposed lhs."""
+    if not copies:
+        sizes = np.where(life.copy, 0.0, sizes)
+    if held is not None:
+        held = held & ~life.copy  # a copy is freed after its dot, whatever its source waits for
     temp = ~(life.argument | life.result)
     fixed = float(sizes[~temp].sum())
     if not temp.any():

@@ -23,6 +23,9 @@ class Cost:
     communication_seconds: float
     collective_bytes: Mapping[str, int]  # collective kind -> bytes moved per device per call
     peak_bytes_per_device: int
+    # The same plan's peak as XLA:CPU lays it out (`Hardware.copies_transposed_lhs`): what
+    # `verify` compares when it compiles on fake CPU devices.
+    cpu_peak_bytes_per_device: int | None = None
 
     @property
     def total_seconds(self) -> float:

@@ -43,6 +43,7 @@ class Verification:
     communication_seconds: float  # the collectives found, priced with the hardware profile
     compute_seconds: float
     predicted: Any  # the plan's Cost
+    predicted_peak_bytes: int = 0  # the plan's peak as the backend compiled lays it out (see Cost)
 
     @property
     def collective_bytes(self) -> dict[str, int]:
@@ -57,7 +58,7 @@ class Verification:
         rows = [("", "predicted", "compiled"),
                 ("compute s", f"{p.compute_seconds:.3g}", f"{self.compute_seconds:.3g}"),
                 ("communication s", f"{p.communication_seconds:.3g}", f"{self.communication_seconds:.3g}"),
-                ("peak bytes/device", f"{p.peak_bytes_per_device:,}", f"{self.peak_bytes:,}")]
+                ("peak bytes/device", f"{self.predicted_peak_bytes:,}", f"{self.peak_bytes:,}")]
         for kind in sorted(set(p.collective_bytes) | set(self.collective_bytes)):
             rows.append((f"{kind} bytes", f"{int(p.collective_bytes.get(kind, 0)):,}", f"{self.collective_bytes.get(kind, 0):,}"))
         width = max(len(r[0]) for r in rows)
@@ -83,7 +84,9 @@ def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=Non
     peak = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
     comm = sum(_seconds(c, hw, plan.mesh) * c.count for c in collectives)
     flops = float(analysis.get("flops", 0.0))
-    return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost)
+    cpu = devices[0].platform == "cpu" and plan.cost.cpu_peak_bytes_per_device is not None
+    predicted_peak = plan.cost.cpu_peak_bytes_per_device if cpu else plan.cost.peak_bytes_per_device
+    return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost, predicted_peak)
 
 
 def parse_collectives(hlo: str) -> list[Collective]:
