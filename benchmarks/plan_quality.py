@@ -1,7 +1,8 @@
 """Plan quality as the compiler sees it: the tactic search's chosen plan for residual MLPs and
 GPT-style decoders (examples/gpt, attention, layer norm, embeddings) on 8
 fake CPU devices, its predicted collectives and peak memory beside what XLA compiles, and how long
-the search took.
+the search took. Peak memory is predicted for the H100 and for XLA:CPU's layout of the same plan
+(what these CPU compiles are compared with: `Verification.predicted_peak_bytes`).
 
     .venv/bin/python benchmarks/plan_quality.py
 """
