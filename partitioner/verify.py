@@ -299,7 +299,9 @@ def _sent(c: Collective) -> float:
         return (p - 1) / p * c.bytes  # the result is the gathered whole
     if c.kind == "reduce-scatter":
         return (p - 1) * c.bytes  # the result is one shard
-    return float(c.bytes)
+    if c.kind == "all-to-all":
+        return (p - 1) / p * c.bytes  # each device keeps its own 1/p of the result
+    return float(c.bytes)  # a collective-permute sends its whole operand
 
 
 def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
