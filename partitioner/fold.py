@@ -116,6 +116,16 @@ def _find(parent: list[int], v: int) -> int:
     return root
 
 
+def _roots(parent: list[int]) -> np.ndarray:
+    """Every element's root in a union-find forest, by pointer jumping (log depth numpy passes)."""
+    root = np.asarray(parent, dtype=np.int64)
+    while True:
+        up = root[root]
+        if np.array_equal(up, root):
+            return root
+        root = up
+
+
 def _merge_mirrors(graph: Graph, parent: list[int], keys, input_ids) -> None:
     by_path = {}
     for v, k in zip(input_ids, keys):
@@ -137,19 +147,15 @@ def _merge_mirrors(graph: Graph, parent: list[int], keys, input_ids) -> None:
 
 
 def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
-    rep = np.array([_find(parent, v) for v in range(len(graph.values))], dtype=np.int64)
+    rep = _roots(parent)
     find = lambda v: int(rep[v]) if v >= 0 else v
     read = {find(v) for op in kept for v in op.operands} | {find(v) for v in graph.outputs}
     kept = [op for op in kept if op.body is not None or any(v >= 0 for v in op.operands) or any(r in read for r in op.results)]
-    index = {op.id: i for i, op in enumerate(kept)}
-    mult = [0] * len(kept)
-    for o in range(len(graph.ops)):
-        r = o
-        while op_parent[r] != r:
-            r = op_parent[r]
-        if r in index:  # else a constant only its folded-away readers used
-            op = graph.ops[o]
-            mult[index[r]] += op.trips if op.body is None else 1  # a scan body's op runs `trips` times
+    # Each original op counts toward its representative, a scan body's op `trips` times (a
+    # constant only its folded-away readers used has no representative left).
+    runs = np.bincount(_roots(op_parent), weights=[op.trips if op.body is None else 1 for op in graph.ops],
+                       minlength=len(graph.ops))
+    mult = [int(runs[op.id]) for op in kept]
     ops = [dataclasses.replace(op, id=i, operands=tuple(find(v) for v in op.operands)) for i, op in enumerate(kept)]
     ties: dict[tuple[int, int], int] = {}
     for a, b, copies in pairs:

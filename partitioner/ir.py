@@ -661,20 +661,27 @@ def find_repeats(graph: Graph, min_count: int = 2, min_period: int = 1) -> list[
             last_gap[s] = gap
         last[s] = i
     found: list[Repeat] = []
+    arr = np.asarray(seq, dtype=np.int64)
     for period in sorted(starts, reverse=True):
-        i = max(0, starts[period] - period)
-        while i + period < len(seq):
-            j = i
-            while j + period < len(seq) and seq[j] == seq[j + period]:
-                j += 1
-            count = (j - i) // period + 1
-            if count >= min_count:
-                found.append(Repeat(i, period, count))
-                i = i + period * count
-            else:
-                i = j + 1
+        found += _runs(arr[:-period] == arr[period:], period, max(0, starts[period] - period), min_count)
     chosen: list[Repeat] = []
     for r in sorted(found, key=lambda r: (-r.period * r.count, r.start)):
         if all(r.stop <= c.start or r.start >= c.stop for c in chosen):
             chosen.append(r)
     return sorted(chosen, key=lambda r: r.start)
+
+
+def _runs(same: np.ndarray, period: int, begin: int, min_count: int) -> list[Repeat]:
+    """Blocks of `period` ops repeated at least `min_count` times from op `begin` on, where
+    `same[i]` says op i equals op i + period: each maximal stretch of equal ops, from its start
+    (or from where the last repeat ended), holds length // period + 1 copies."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], same, [False])).astype(np.int8)))
+    out, i = [], begin
+    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):  # same[a:b] all true
+        start = max(a, i)
+        if b - start < period * (min_count - 1):
+            continue
+        count = (b - start) // period + 1
+        out.append(Repeat(start, period, count))
+        i = start + period * count
+    return out
