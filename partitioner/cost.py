@@ -152,7 +152,8 @@ def _device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
 
 def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset(), copies: bool = False) -> int:
     """The most bytes live on one device at once, as XLA lays buffers out (`memory.peak`);
-    `held`: values a combined all-reduce keeps until the last of them is made."""
+    `held`: values a combined all-reduce keeps until the last of them is made; `copies`: the
+    backend copies a transposed dot lhs (`Hardware.copies_transposed_lhs`)."""
     life = memory.liveness(graph)
     sizes = np.array([_device_bytes(graph, int(v), prop, mesh) for v in life.values], dtype=np.float64)
     return memory.peak(life, sizes, np.isin(life.values, list(held)), copies)
