@@ -168,7 +168,7 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
     inputs = list(dict.fromkeys(find(v) for v in graph.inputs))
     folded = Graph(graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape)
     life = memory.liveness(graph)
-    materialized = {find(int(v)) for v in life.values[~life.copy]}
+    materialized = set(rep[life.values[~life.copy]].tolist())
     return Fold(folded, rep, mult, materialized, len(graph.ops), life)
 
 

@@ -142,9 +142,9 @@ class _Builder:
         return Graph(self.values, _live_ops(self.ops, outputs), inputs, outputs, consts + list(paths), self.unknown)
 
     def _new_value(self, aval) -> int:
-        dtype = _dtype_name(aval.dtype)
-        self.values.append(Value(len(self.values), tuple(int(d) for d in aval.shape), dtype))
-        return len(self.values) - 1
+        n = len(self.values)
+        self.values.append(Value(n, tuple(map(int, aval.shape)), _dtype_name(aval.dtype)))
+        return n
 
     def _bind(self, env, var) -> int:
         env[var] = self._new_value(var.aval)
@@ -169,10 +169,10 @@ class _Builder:
                 for var, out in zip(eqn.outvars, inner.outvars):
                     env[var] = self._read(sub_env, out)
                 continue
-            operands = tuple(self._read(env, a) for a in eqn.invars)
-            results = tuple(self._bind(env, v) for v in eqn.outvars)
-            in_shapes = tuple(tuple(a.aval.shape) for a in eqn.invars)
-            out_shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
+            operands = tuple([-1 if type(a) is jcore.Literal else env[a] for a in eqn.invars])
+            results = tuple([self._bind(env, v) for v in eqn.outvars])
+            in_shapes = tuple([tuple(a.aval.shape) for a in eqn.invars])  # (lists: ~10^5 calls)
+            out_shapes = tuple([tuple(v.aval.shape) for v in eqn.outvars])
             body, trips = self._body(eqn)
             name = eqn.primitive.name
             rule = RULES.get(name)
@@ -271,12 +271,12 @@ def _dtype_name(dtype) -> str:
 def _live_ops(ops: list[tuple], outputs: list[int]) -> list[Op]:
     """Drop ops whose results nothing needs (a loss computed under `grad` but not returned):
     XLA removes them too, and their collectives would be priced for nothing."""
-    needed = {v for v in outputs if v >= 0}
+    needed = set(outputs)  # (-1, a literal, is no result: harmless here)
     keep = []
     for op in reversed(ops):
-        if any(r in needed for r in op[2]) or op[0] == "tie":  # a carry feeds the next iteration
+        if not needed.isdisjoint(op[2]) or op[0] == "tie":  # a carry feeds the next iteration
             keep.append(op)
-            needed.update(v for v in op[1] if v >= 0)
+            needed.update(op[1])
     return [Op(i, *op) for i, op in enumerate(reversed(keep))]
 
 

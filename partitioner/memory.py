@@ -38,22 +38,28 @@ class Liveness:
 
 
 def liveness(graph: Graph) -> Liveness:
-    from .cost import materialized
+    from .cost import FUSIBLE, materialized
 
     mat = materialized(graph)
     end = len(graph.ops)
     birth = {v: 0 for v in graph.inputs}
     death: dict[int, int] = {}
-    for op in graph.ops:
+    fused = []  # elementwise ops whose results stay in registers
+    for op in graph.ops:  # (a hot loop: ~10^5 ops at 96 layers)
+        i = op.id
+        for v in op.operands:
+            death[v] = i
         for v in op.results:
-            birth[v] = op.id
-            death[v] = op.id  # never used: gone right after it is made
-    death.update(_last_reads(graph, mat))
+            birth[v] = death[v] = i  # never used: gone right after it is made
+        if op.primitive in FUSIBLE and mat.isdisjoint(op.results):
+            fused.append(op)
+    _read_in_kernel(fused, death)
+    death.pop(-1, None)  # literals
     arguments, results = set(graph.inputs), {v for v in graph.outputs if v >= 0}
     for v in arguments | results:
         death[v] = end
     live = sorted(v for v in mat if v in birth)
-    copies = [(op.operands[0], op.id) for op in graph.ops if _transposed_lhs(op)]
+    copies = [(op.operands[0], op.id) for op in graph.ops if op.primitive == "dot_general" and _transposed_lhs(op)]
     values = live + [v for v, _ in copies]
     made = [birth[v] for v in live] + [dot if v in arguments else birth.get(v, dot) for v, dot in copies]
     return Liveness(np.array(values, dtype=np.int64), np.array(made, dtype=np.int64),
@@ -72,28 +78,19 @@ def _transposed_lhs(op: Op) -> bool:
     return bool(kept and contracted) and min(contracted) < max(kept)
 
 
-def _last_reads(graph: Graph, mat) -> dict[int, int]:
-    """When each value is last read, a fused chain's reads counting when its kernel runs: an
-    elementwise op whose results stay in registers runs inside the fusion that makes the first
-    materialized value downstream, so what it reads lives until then (XLA computes a GELU's
-    gradient in one kernel that reads the pre-activation, the tanh and the incoming gradient)."""
-    from .cost import FUSIBLE
-
-    read: dict[int, int] = {}
-    fused = []
-    for op in graph.ops:  # (hot loops: ~10^5 ops at 96 layers)
-        i = op.id
+def _read_in_kernel(fused: list[Op], death: dict[int, int]) -> None:
+    """Move reads by `fused` ops to when their kernel runs: such an op runs inside the fusion that
+    makes the first materialized value downstream, so what it reads lives until then (XLA
+    computes a GELU's gradient in one kernel that reads the pre-activation, the tanh and the
+    incoming gradient). Last first, so a later fused reader has already pushed its reads on."""
+    for op in reversed(fused):
+        t = op.id
+        for r in op.results:
+            if death[r] > t:
+                t = death[r]
         for v in op.operands:
-            read[v] = i
-        if op.primitive in FUSIBLE and not any(r in mat for r in op.results):
-            fused.append(op)
-    for op in reversed(fused):  # a later fused reader has already pushed its results' reads on
-        t = max(read.get(r, op.id) for r in op.results)
-        for v in op.operands:
-            if read[v] < t:
-                read[v] = t
-    read.pop(-1, None)  # literals
-    return read
+            if death[v] < t:
+                death[v] = t
 
 
 def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copies: bool = False) -> int:
