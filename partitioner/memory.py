@@ -59,7 +59,7 @@ def liveness(graph: Graph) -> Liveness:
     for v in arguments | results:
         death[v] = end
     live = sorted(v for v in mat if v in birth)
-    copies = [(op.operands[0], op.id) for op in graph.ops if op.primitive == "dot_general" and _transposed_lhs(op)]
+    copies = [(op.operands[0], op.id) for op in graph.ops if _transposed_lhs(op)]
     values = live + [v for v, _ in copies]
     made = [birth[v] for v in live] + [dot if v in arguments else birth.get(v, dot) for v, dot in copies]
     return Liveness(np.array(values, dtype=np.int64), np.array(made, dtype=np.int64),
@@ -73,9 +73,8 @@ def _transposed_lhs(op: Op) -> bool:
     """A dot whose lhs is contracted over a dimension major to one it keeps (x^T y)."""
     if op.primitive != "dot_general" or op.operands[0] < 0:
         return False
-    kept = [i for i, d in enumerate(op.operand_dims[0]) if d and op.factors[d[0]].kind is not FactorKind.REDUCE]
-    contracted = [i for i, d in enumerate(op.operand_dims[0]) if d and op.factors[d[0]].kind is FactorKind.REDUCE]
-    return bool(kept and contracted) and min(contracted) < max(kept)
+    reduced = [op.factors[d[0]].kind is FactorKind.REDUCE for d in op.operand_dims[0] if d]
+    return any(r and not later for i, r in enumerate(reduced) for later in reduced[i + 1:])
 
 
 def _read_in_kernel(fused: list[Op], death: dict[int, int]) -> None:

@@ -43,7 +43,7 @@ class Verification:
     communication_seconds: float  # the collectives found, priced with the hardware profile
     compute_seconds: float
     predicted: Any  # the plan's Cost
-    predicted_peak_bytes: int = 0  # the plan's peak as the backend compiled lays it out (see Cost)
+    predicted_peak_bytes: int  # the plan's peak as the backend compiled lays it out (see Cost)
 
     @property
     def collective_bytes(self) -> dict[str, int]:

@@ -73,7 +73,7 @@ def test_bytes_sent_per_device_follow_each_kinds_formula():
     from partitioner.verify import Collective, Verification
 
     kinds = [("all-reduce", 400), ("all-gather", 400), ("reduce-scatter", 100), ("all-to-all", 400), ("collective-permute", 400)]
-    v = Verification(tuple(Collective(k, n, 4, "") for k, n in kinds), 0.0, 0, 0.0, 0.0, None)
+    v = Verification(tuple(Collective(k, n, 4, "") for k, n in kinds), 0.0, 0, 0.0, 0.0, None, 0)
     # Ring all-reduce 2(p-1)/p; an all-gather's or reduce-scatter's (p-1) shards; an all-to-all
     # keeps 1/p of its result at home; a permute sends all of it.
     assert v.collective_bytes == {"all-reduce": 600, "all-gather": 300, "reduce-scatter": 300, "all-to-all": 300,
