@@ -157,7 +157,7 @@ def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_l
 def _inputs(fn, args, batch_argnums) -> _Inputs:
     t0 = time.perf_counter()
     abstract = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), a) for a in args)
-    graph = capture(fn, *abstract)  # the only trace of fn: its output shapes come with the graph
+    graph = capture(fn, *abstract, compact=True)  # the only trace of fn: its output shapes come with the graph
     if batch_argnums is None:
         batch_argnums = _batch_argnums(abstract, graph.out_shape)
     argnum, keys = [], []

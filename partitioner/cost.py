@@ -45,6 +45,9 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
     """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled)."""
     if fold is not None:
         graph, mult, mat = fold.graph, fold.mult, fold.materialized
+    elif graph.copies:
+        raise ValueError("estimate: this graph was captured compact (its repeated layers are `Graph.copies`, not ops); "
+                         "price it through its fold, `estimate(fold.graph, prop, mesh, hw, fold)`, or capture it with compact=False")
     else:
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], materialized(graph)
     compute = sum(m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie")
@@ -108,15 +111,25 @@ def materialized(graph: Graph) -> set[int]:
     traffic or space; a cheap elementwise value (no transcendental, no division) read by several
     fusions is recomputed in each of them from what they already read, as XLA duplicates cheap
     producers into their consumers; an expensive one read twice is kept."""
-    out = set(graph.inputs) | {v for v in graph.outputs if v >= 0}
-    consumers: dict[int, int] = {}
-    for op in graph.ops:
-        if op.primitive not in FUSIBLE:
-            out.update(v for v in op.operands + op.results if v >= 0)
-        for v in op.operands:
-            consumers[v] = consumers.get(v, 0) + 1
-    cheap = {r for op in graph.ops if op.primitive in FUSIBLE and op.primitive not in EXPENSIVE for r in op.results}
-    return out | {v for v, n in consumers.items() if n > 1 and v >= 0 and v not in cheap}
+    return set(np.flatnonzero(materialized_mask(graph)).tolist())
+
+
+def materialized_mask(graph: Graph, table: "memory.Table | None" = None) -> np.ndarray:
+    """`materialized` as a mask over value ids, on the unrolled program (`memory.table`)."""
+    t = table if table is not None else memory.table(graph)
+    nv = len(graph.values)
+    out = np.zeros(nv + 1, dtype=bool)  # (the last slot takes literals, -1)
+    out[graph.inputs] = True
+    out[[v for v in graph.outputs if v >= 0]] = True
+    kind = np.array([0 if op.primitive not in FUSIBLE else 1 if op.primitive in EXPENSIVE else 2 for op in graph.ops],
+                    dtype=np.int8)[t.source]
+    out[t.reads[kind[t.read_row] == 0]] = True
+    out[t.makes[kind[t.make_row] == 0]] = True
+    consumers = np.bincount(t.reads[t.reads >= 0], minlength=nv)
+    cheap = np.zeros(nv, dtype=bool)
+    cheap[t.makes[kind[t.make_row] == 2]] = True
+    out = out[:nv]
+    return out | ((consumers > 1) & ~cheap)
 
 
 EXPENSIVE = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "erf", "erfc", "erf_inv",

@@ -54,18 +54,33 @@ class Fold:
 
 def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids: Sequence[int] | None = None) -> Fold:
     """`keys`: the key path of each argument leaf, `input_ids` their value ids (for mirrors).
+    A compact graph's replayed copies (`Graph.copies`) fold onto their template.
 
     Example:
-        >>> f = fold(capture(step, state, batch))
+        >>> f = fold(capture(step, state, batch, compact=True))
         >>> len(f.graph.ops), f.original_ops
         (704, 48125)
     """
-    parent = list(range(len(graph.values)))
+    parent = _replayed_parents(graph)
     op_parent = list(range(len(graph.ops)))
     pairs: list[tuple[int, int, int]] = []  # (value in copy k, value in copy 0, copies) to tie
     in_copy = np.zeros(len(graph.ops), dtype=bool)
     is_input = set(graph.inputs)
+    replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
+    inputs = np.zeros(len(graph.values), dtype=bool)
+    inputs[graph.inputs] = True
+    for c in graph.copies:  # copy k reads `a` where the template reads `b`
+        replayed[c.template] = len(c.shifts)
+        a, b = c.free_ids.ravel(), np.tile(c.free, len(c.shifts))
+        both = inputs[a] & inputs[b]
+        pairs += zip(a[~both].tolist(), b[~both].tolist(), [len(c.shifts) + 1] * int((~both).sum()))
+        for a, b in zip(a[both].tolist(), b[both].tolist()):  # (in order: the first class a weight joins holds)
+            if parent[a] == a:
+                parent[a] = _find(parent, b)
+            elif a != b:
+                pairs.append((a, b, len(c.shifts) + 1))
     for r in find_repeats(graph, min_period=MIN_PERIOD):
+        copies = r.count - 1 + int(replayed[r.start:r.stop].max())
         for k in range(1, r.count):
             base = r.start + k * r.period
             in_copy[base: base + r.period] = True
@@ -75,12 +90,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
                 for a, b in zip(op_k.results, op_0.results):
                     parent[a] = b
                 for a, b in zip(op_k.operands, op_0.operands):
-                    if a < 0 or b < 0 or a == b:
-                        continue
-                    if a in is_input and b in is_input and parent[a] == a:
-                        parent[a] = _find(parent, b)  # layer k's weight is layer 0's
-                    else:
-                        pairs.append((a, b, r.count - 1))
+                    _pair(parent, pairs, is_input, a, b, copies)
     if keys is not None and input_ids is not None:
         _merge_mirrors(graph, parent, keys, input_ids)
     kept, seen = [], {}
@@ -104,7 +114,28 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
             continue
         seen[key] = op
         kept.append(op)
-    return _build(graph, parent, op_parent, kept, pairs)
+    return _build(graph, parent, op_parent, kept, pairs, replayed)
+
+
+def _replayed_parents(graph: Graph) -> list[int]:
+    """Union-find parents with every replayed copy's values pointing at the template's."""
+    parent = np.arange(len(graph.values), dtype=np.int64)
+    for c in graph.copies:
+        start, stop = c.values
+        for shift in c.shifts:
+            parent[start + shift: stop + shift] = np.arange(start, stop)
+    return parent.tolist()
+
+
+def _pair(parent: list[int], pairs: list, is_input: set, a: int, b: int, copies: int) -> None:
+    """Copy k reads `a` where copy 0 reads `b`: the same weight (layer k's is layer 0's), or two
+    values to tie."""
+    if a < 0 or b < 0 or a == b:
+        return
+    if a in is_input and b in is_input and parent[a] == a:
+        parent[a] = _find(parent, b)
+    else:
+        pairs.append((a, b, copies))
 
 
 def _find(parent: list[int], v: int) -> int:
@@ -146,21 +177,24 @@ def _merge_mirrors(graph: Graph, parent: list[int], keys, input_ids) -> None:
                 break
 
 
-def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
+def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.ndarray) -> Fold:
     rep = _roots(parent)
-    find = lambda v: int(rep[v]) if v >= 0 else v
+    rep_list = rep.tolist()
+    find = lambda v: rep_list[v] if v >= 0 else v
     read = {find(v) for op in kept for v in op.operands} | {find(v) for v in graph.outputs}
     kept = [op for op in kept if op.body is not None or any(v >= 0 for v in op.operands) or any(r in read for r in op.results)]
     # Each original op counts toward its representative, a scan body's op `trips` times (a
     # constant only its folded-away readers used has no representative left).
-    runs = np.bincount(_roots(op_parent), weights=[op.trips if op.body is None else 1 for op in graph.ops],
-                       minlength=len(graph.ops))
+    runs = np.bincount(_roots(op_parent), weights=[(op.trips if op.body is None else 1) * (1 + int(n))
+                                                   for op, n in zip(graph.ops, replayed)], minlength=len(graph.ops))
     mult = [int(runs[op.id]) for op in kept]
     ops = [dataclasses.replace(op, id=i, operands=tuple(find(v) for v in op.operands)) for i, op in enumerate(kept)]
     ties: dict[tuple[int, int], int] = {}
-    for a, b, copies in pairs:
-        a, b = find(a), find(b)
-        if a != b and graph.values[a].shape == graph.values[b].shape:
+    p = np.array(pairs, dtype=np.int64).reshape(-1, 3)
+    ends = rep[p[:, :2]]
+    differ = ends[:, 0] != ends[:, 1]  # most pairs are one value once folded
+    for (a, b), copies in zip(ends[differ].tolist(), p[differ, 2].tolist()):
+        if graph.values[a].shape == graph.values[b].shape:
             ties[(a, b)] = max(ties.get((a, b), 0), copies)
     for (a, b), copies in ties.items():
         ops.append(_tie(len(ops), a, b, graph.values[a].shape))
@@ -169,7 +203,7 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs) -> Fold:
     folded = Graph(graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape)
     life = memory.liveness(graph)
     materialized = set(rep[life.values[~life.copy]].tolist())
-    return Fold(folded, rep, mult, materialized, len(graph.ops), life)
+    return Fold(folded, rep, mult, materialized, graph.unrolled_ops, life)
 
 
 def _tie(op_id: int, a: int, b: int, shape) -> Op:

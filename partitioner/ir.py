@@ -31,6 +31,9 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from . import replay
+from .replay import Copies
+
 
 class FactorKind(enum.Enum):
     PASS = "pass"
@@ -92,6 +95,7 @@ class Graph:
     input_paths: list[str]
     unknown: dict[str, int]  # primitives captured as OPAQUE for want of a rule, with counts
     out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
+    copies: list["Copies"] = dataclasses.field(default_factory=list)  # a compact capture's replayed layers
     _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -99,16 +103,25 @@ class Graph:
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one
         primitive if named."""
-        return sum((op.flops * (op.trips if op.body is None else 1) if primitive in (None, op.primitive) else 0.0)
-                   + (op.body.flops(primitive) * op.trips if op.body else 0.0) for op in self.ops)
+        per_op = [(op.flops * (op.trips if op.body is None else 1) if primitive in (None, op.primitive) else 0.0)
+                  + (op.body.flops(primitive) * op.trips if op.body else 0.0) for op in self.ops]
+        return sum(per_op) + sum(len(c.shifts) * sum(per_op[i] for i in c.template) for c in self.copies)
+
+    @property
+    def unrolled_ops(self) -> int:
+        """Ops of the unrolled program, replayed copies included."""
+        return len(self.ops) + sum(len(c.shifts) * len(c.template) for c in self.copies)
 
 
 class CaptureError(ValueError):
     """The function could not be traced to a jaxpr with the arguments given."""
 
 
-def capture(fn, *args) -> Graph:
+def capture(fn, *args, compact: bool = False) -> Graph:
     """Trace `fn(*args)` (arrays or ShapeDtypeStructs) and build its partitioning graph.
+
+    `compact`: keep later copies of a repeated layer as `Graph.copies` (the fold and the memory
+    model read them so) instead of building their ops (`replay`).
 
     Example:
         >>> g = capture(step, abstract_state, abstract_batch)
@@ -119,27 +132,61 @@ def capture(fn, *args) -> Graph:
     except Exception as e:
         raise CaptureError(f"tracing {getattr(fn, '__name__', fn)} with the given arguments failed: {type(e).__name__}: {e}") from e
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    graph = _Builder().build(closed.jaxpr, paths)
+    graph = _Builder().build(closed.jaxpr, paths, compact)
     graph.out_shape = out_shape
     return graph
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, replay_layers: bool = True):
         self.values: list[Value] = []
-        self.ops: list[tuple] = []  # Op fields but the id, given once dead ops are dropped
+        self.ops: list = []  # Op fields but the id (given once dead ops are dropped), or a `replay.Replay`
+        self.replay_layers = replay_layers
         self.unknown: dict[str, int] = {}
         self.memo: dict[tuple, tuple] = {}
         self.sigs: dict[tuple, tuple] = {}
         self.trips = 1  # inside an inlined scan body: how many times its ops run
 
-    def build(self, jaxpr, paths: Sequence[str]) -> Graph:
+    def build(self, jaxpr, paths: Sequence[str], compact: bool = False) -> Graph:
         env: dict[Any, int] = {}
         inputs = [self._bind(env, v) for v in list(jaxpr.constvars) + list(jaxpr.invars)]
-        self._eqns(jaxpr, env)
+        if self.replay_layers:
+            self._top(jaxpr.eqns, env)
+        else:
+            self._eqns(jaxpr.eqns, env)
         outputs = [self._read(env, v) for v in jaxpr.outvars]
         consts = [f"const{i}" for i in range(len(jaxpr.constvars))]
-        return Graph(self.values, _live_ops(self.ops, outputs), inputs, outputs, consts + list(paths), self.unknown)
+        ops, copies = _live_ops(self.ops, outputs, compact)
+        return Graph(self.values, ops, inputs, outputs, consts + list(paths), self.unknown, copies=copies)
+
+    def _top(self, eqns, env) -> None:
+        """Build the top level, replaying later copies of repeated blocks from their second copy."""
+        done = 0
+        for start, period, count in replay.blocks(eqns, repeats):
+            self._eqns(eqns[done:start + period], env)
+            first, values, unknown = len(self.ops), len(self.values), dict(self.unknown)
+            second = eqns[start + period:start + 2 * period]
+            self._eqns(second, env)
+            done = start + 2 * period
+            template = replay.Template(second, env, (values, len(self.values)), self.ops[first:],
+                                       [j for j, e in enumerate(second) if not _params_free(e)])
+            if not template.ok:
+                continue
+            marker = replay.Replay(template, first)
+            size = len(self.values) - values
+            new_unknown = {k: n - unknown.get(k, 0) for k, n in self.unknown.items() if n != unknown.get(k, 0)}
+            for k in range(2, count):
+                free = template.match(eqns[start + k * period:start + (k + 1) * period], env, len(self.values))
+                if free is None:
+                    break
+                marker.add(len(self.values) - values, free)
+                self.values.extend(self.values[values:values + size])  # (shared: a Value's id is unused)
+                for name, n in new_unknown.items():
+                    self.unknown[name] += n
+                done = start + (k + 1) * period
+            if marker.shifts:
+                self.ops.append(marker)
+        self._eqns(eqns[done:], env)
 
     def _new_value(self, aval) -> int:
         n = len(self.values)
@@ -153,8 +200,8 @@ class _Builder:
     def _read(self, env, atom) -> int:
         return -1 if type(atom) is jcore.Literal else env[atom]  # (`type is`: hot, ~10^5 calls)
 
-    def _eqns(self, jaxpr, env) -> None:
-        for eqn in jaxpr.eqns:
+    def _eqns(self, eqns, env) -> None:
+        for eqn in eqns:
             if eqn.primitive.name == "scan":
                 self._scan(eqn, env)
                 continue
@@ -165,7 +212,7 @@ class _Builder:
                     sub_env[var] = self._read(env, atom)
                 for var, const in zip(inner.constvars, getattr(eqn.params.get("jaxpr"), "consts", ())):
                     sub_env[var] = self._new_value(jcore.get_aval(const))
-                self._eqns(inner, sub_env)
+                self._eqns(inner.eqns, sub_env)
                 for var, out in zip(eqn.outvars, inner.outvars):
                     env[var] = self._read(sub_env, out)
                 continue
@@ -204,7 +251,7 @@ class _Builder:
             sub[var] = self._new_value(var.aval)
             self._raw("scan_slice", (v,), (sub[var],), *_stacked(tuple(var.aval.shape), length, stacked_result=False))
         saved, self.trips = self.trips, self.trips * length
-        self._eqns(body.jaxpr, sub)
+        self._eqns(body.jaxpr.eqns, sub)
         self.trips = saved
         outs = [self._read(sub, o) for o in body.jaxpr.outvars]
         for k, (carry, out) in enumerate(zip(carries, outs[:nk])):
@@ -241,9 +288,9 @@ class _Builder:
     def _body(self, eqn):
         name = eqn.primitive.name  # (a scan is inlined by `_scan`)
         if name == "while":
-            return _Builder().build(eqn.params["body_jaxpr"].jaxpr, []), 1
+            return _Builder(False).build(eqn.params["body_jaxpr"].jaxpr, []), 1
         if name == "cond":
-            return _Builder().build(eqn.params["branches"][0].jaxpr, []), 1
+            return _Builder(False).build(eqn.params["branches"][0].jaxpr, []), 1
         return None, 1
 
 
@@ -268,16 +315,38 @@ def _dtype_name(dtype) -> str:
     return "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
 
-def _live_ops(ops: list[tuple], outputs: list[int]) -> list[Op]:
+def _live_ops(ops: list, outputs: list[int], compact: bool) -> tuple[list[Op], list[Copies]]:
     """Drop ops whose results nothing needs (a loss computed under `grad` but not returned):
-    XLA removes them too, and their collectives would be priced for nothing."""
+    XLA removes them too, and their collectives would be priced for nothing. Replayed copies stay
+    compact where asked and where each keeps the same ops as its template, else they are built."""
+    markers = [m for m in ops if type(m) is replay.Replay]
+    if markers and not compact:
+        return _live_ops([o for m in ops for o in (m.expand() if type(m) is replay.Replay else (m,))], outputs, False)
     needed = set(outputs)  # (-1, a literal, is no result: harmless here)
     keep = []
     for op in reversed(ops):
-        if not needed.isdisjoint(op[2]) or op[0] == "tie":  # a carry feeds the next iteration
+        if type(op) is replay.Replay:
+            op.sweep(needed)
+        elif not needed.isdisjoint(op[2]) or op[0] == "tie":  # a carry feeds the next iteration
             keep.append(op)
             needed.update(op[1])
-    return [Op(i, *op) for i, op in enumerate(reversed(keep))]
+    kept = {id(op): i for i, op in enumerate(reversed(keep))}
+    copies = []
+    for m in markers:
+        live = tuple(j for j, op in enumerate(m.template.ops) if id(op) in kept)
+        if any(p != live for p in m.patterns):  # an edge copy keeps other ops: build them all
+            return _live_ops(ops, outputs, False)
+        if live:
+            copies.append(m.copies([kept[id(m.template.ops[j])] for j in live]))
+    return [Op(i, *op) for i, op in enumerate(reversed(keep))], copies
+
+
+def _params_free(eqn) -> bool:
+    """The factor rule reads only the equation's shapes (its params only move data around)."""
+    name = eqn.primitive.name
+    if name in ("scan", "while", "cond") or _inlined_jaxpr(eqn) is not None:
+        return False
+    return RULES.get(name) in (None, _elementwise, _same_where_unchanged, _reshape, _fresh)  # (None: elementwise or opaque)
 
 
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -641,31 +710,50 @@ def signature_ids(graph: Graph) -> list[int]:
 
 
 def find_repeats(graph: Graph, min_count: int = 2, min_period: int = 1) -> list[Repeat]:
-    """Maximal runs of identical op blocks, longest coverage first, non-overlapping.
+    """Maximal runs of identical op blocks, longest coverage first, non-overlapping (`repeats`
+    over op signatures, a matmul's marking a layer). In a compact graph, the two copies built
+    before each replayed block are a candidate whatever their ops."""
+    hints: dict[int, int] = {}
+    for c in graph.copies:
+        period, start = len(c.template), c.template[0] - len(c.template)
+        if start >= 0:
+            hints[period] = min(hints.get(period, start), start)
+    return repeats(signature_ids(graph), [op.primitive == "dot_general" for op in graph.ops], min_count, min_period, hints)
 
-    Op signatures are hashed to integers; candidate periods are the gaps between consecutive
-    occurrences of a matmul's signature (each layer has its own matmuls) and of any other
-    signature that recurs at one gap twice in a row (each leaf of a norm its own reduction); each
-    candidate is checked in one linear pass from where its run begins, so this stays
-    near-linear in the number of ops."""
-    seq = signature_ids(graph)
-    last: dict[int, int] = {}
-    last_gap: dict[int, int] = {}
-    starts: dict[int, int] = {}  # period -> first op where it recurs
-    for i, s in enumerate(seq):
-        if s in last:
-            gap = i - last[s]
-            # A matmul seen twice is a layer's; any other op must recur at one gap twice.
-            if gap >= min_period and (last_gap.get(s) == gap or graph.ops[i].primitive == "dot_general"):
-                starts.setdefault(gap, last[s] - (gap if last_gap.get(s) == gap else 0))
-            last_gap[s] = gap
-        last[s] = i
-    found: list[Repeat] = []
+
+def repeats(seq: Sequence[int], anchor: Sequence[bool], min_count: int = 2, min_period: int = 1,
+            hints: dict[int, int] | None = None) -> list[Repeat]:
+    """Maximal runs of identical blocks in `seq`, those that fold most away first, non-overlapping.
+
+    Candidate periods are the gaps between consecutive occurrences of an anchor's id (each layer
+    has its own matmuls) and of any other id that recurs at one gap twice in a row (each leaf of
+    a norm its own reduction), and the `hints` given (period -> a start); each candidate is
+    checked in one linear pass from where its run begins, so this stays near-linear in the
+    length of `seq`."""
     arr = np.asarray(seq, dtype=np.int64)
+    starts: dict[int, int] = {}  # period -> first op where it recurs
+    if len(arr) > 2:
+        # Each occurrence's gap to the previous occurrence of its id, and that one's gap.
+        pos = np.lexsort((np.arange(len(arr)), arr))
+        same = arr[pos[1:]] == arr[pos[:-1]]
+        gap = np.where(same, pos[1:] - pos[:-1], -1)
+        last_gap = np.concatenate(([-1], np.where(same[1:], gap[:-1], -1)))
+        here, prev = pos[1:], pos[:-1]
+        # An anchor seen twice is a layer's; any other id must recur at one gap twice.
+        steady = (last_gap == gap) & same
+        ok = same & (gap >= min_period) & (steady | np.asarray(anchor, dtype=bool)[here])
+        first = np.where(steady, prev - gap, prev)[ok]
+        order = np.argsort(here[ok], kind="stable")
+        periods, at = np.unique(gap[ok][order], return_index=True)
+        starts = dict(zip(periods.tolist(), first[order][at].tolist()))
+    for period, start in (hints or {}).items():  # period -> where a known run starts
+        if period >= min_period:
+            starts[period] = min(starts.get(period, start), start)
+    found: list[Repeat] = []
     for period in sorted(starts, reverse=True):
         found += _runs(arr[:-period] == arr[period:], period, max(0, starts[period] - period), min_count)
     chosen: list[Repeat] = []
-    for r in sorted(found, key=lambda r: (-r.period * r.count, r.start)):
+    for r in sorted(found, key=lambda r: (-r.period * (r.count - 1), r.start)):  # most ops folded away
         if all(r.stop <= c.start or r.start >= c.stop for c in chosen):
             chosen.append(r)
     return sorted(chosen, key=lambda r: r.start)

@@ -37,36 +37,88 @@ class Liveness:
     copy: np.ndarray  # bool per entry: a dot's transposed lhs (its value id repeated), on some backends only
 
 
-def liveness(graph: Graph) -> Liveness:
-    from .cost import FUSIBLE, materialized
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The unrolled program's ops as arrays (a compact graph's replayed copies included): row r
+    is an op at `time[r]` on the unrolled timeline, built from `Graph.ops[source[r]]`; `reads`
+    and `makes` list every operand and result with its row."""
 
-    mat = materialized(graph)
-    end = len(graph.ops)
-    birth = {v: 0 for v in graph.inputs}
-    death: dict[int, int] = {}
-    fused = []  # elementwise ops whose results stay in registers
-    for op in graph.ops:  # (a hot loop: ~10^5 ops at 96 layers)
-        i = op.id
-        for v in op.operands:
-            death[v] = i
-        for v in op.results:
-            birth[v] = death[v] = i  # never used: gone right after it is made
-        if op.primitive in FUSIBLE and mat.isdisjoint(op.results):
-            fused.append(op)
-    _read_in_kernel(fused, death)
-    death.pop(-1, None)  # literals
-    arguments, results = set(graph.inputs), {v for v in graph.outputs if v >= 0}
-    for v in arguments | results:
-        death[v] = end
-    live = sorted(v for v in mat if v in birth)
-    copies = [(op.operands[0], op.id) for op in graph.ops if _transposed_lhs(op)]
-    values = live + [v for v, _ in copies]
-    made = [birth[v] for v in live] + [dot if v in arguments else birth.get(v, dot) for v, dot in copies]
-    return Liveness(np.array(values, dtype=np.int64), np.array(made, dtype=np.int64),
-                    np.array([death[v] for v in live] + [dot for _, dot in copies], dtype=np.int64),
-                    np.array([v in arguments for v in live] + [False] * len(copies), dtype=bool),
-                    np.array([v in results and v not in arguments for v in live] + [False] * len(copies), dtype=bool), end,
-                    np.array([False] * len(live) + [True] * len(copies), dtype=bool))
+    time: np.ndarray
+    source: np.ndarray
+    reads: np.ndarray
+    read_row: np.ndarray
+    lhs: np.ndarray  # per row: its first operand (-1 if none or a literal)
+    makes: np.ndarray
+    make_row: np.ndarray
+    end: int
+
+
+def table(graph: Graph) -> Table:
+    """Example: `table(capture(step, *args, compact=True)).end` is the unrolled op count."""
+    n = len(graph.ops)
+    inserted = np.zeros(n + 1, dtype=np.int64)  # replayed ops before each op of the graph
+    for c in graph.copies:
+        inserted[c.template[-1] + 1] += len(c.template) * len(c.shifts)
+    time = np.arange(n, dtype=np.int64) + np.cumsum(inserted)[:n]
+    reads = [v for op in graph.ops for v in op.operands]
+    makes = [v for op in graph.ops for v in op.results]
+    parts = [(time, np.arange(n, dtype=np.int64), np.array(reads, dtype=np.int64),
+              np.repeat(np.arange(n), [len(op.operands) for op in graph.ops]),
+              np.array([op.operands[0] if op.operands else -1 for op in graph.ops], dtype=np.int64),
+              np.array(makes, dtype=np.int64), np.repeat(np.arange(n), [len(op.results) for op in graph.ops]))]
+    rows = n
+    for c in graph.copies:
+        parts.append(_replayed(graph, c, time[c.template[-1]] + 1, rows))
+        rows += len(c.template) * len(c.shifts)
+    cat = [np.concatenate(x) for x in zip(*parts)]
+    return Table(*cat, end=graph.unrolled_ops)
+
+
+def _replayed(graph: Graph, c, first_time: int, first_row: int) -> tuple:
+    """Rows of a block's replayed copies: copy k's op j is template op j, its values moved."""
+    ops = [graph.ops[i] for i in c.template]
+    m, copies = len(ops), len(c.shifts)
+    base = first_row + m * np.arange(copies)[:, None]  # [copy, 1]
+    reads = np.array([v for op in ops for v in op.operands], dtype=np.int64)
+    read_j = np.repeat(np.arange(m), [len(op.operands) for op in ops])
+    makes = np.array([v for op in ops for v in op.results], dtype=np.int64)
+    make_j = np.repeat(np.arange(m), [len(op.results) for op in ops])
+    lhs = np.array([op.operands[0] if op.operands else -1 for op in ops], dtype=np.int64)
+    shifts = np.asarray(c.shifts, dtype=np.int64)[:, None]
+    return ((first_time + m * np.arange(copies)[:, None] + np.arange(m)).ravel(), np.tile(np.asarray(c.template), copies),
+            c.map_all(reads).ravel(), (base + read_j).ravel(), c.map_all(lhs).ravel(),
+            (makes + shifts).ravel(), (base + make_j).ravel())
+
+
+def liveness(graph: Graph) -> Liveness:
+    from .cost import materialized_mask
+
+    t = table(graph)
+    mat = materialized_mask(graph, t)
+    nv = len(graph.values)
+    birth = np.full(nv, -1, dtype=np.int64)
+    birth[graph.inputs] = 0
+    birth[t.makes] = t.time[t.make_row]
+    death = np.full(nv + 1, -1, dtype=np.int64)  # (the last slot takes literals' reads)
+    death[t.makes] = t.time[t.make_row]  # never used: gone right after it is made
+    np.maximum.at(death, t.reads, t.time[t.read_row])
+    _read_in_kernel(graph, t, mat, death)
+    death = death[:nv]
+    arguments = np.zeros(nv, dtype=bool)
+    arguments[graph.inputs] = True
+    results = np.zeros(nv, dtype=bool)
+    results[[v for v in graph.outputs if v >= 0]] = True
+    results &= ~arguments
+    death[arguments | results] = t.end
+    live = np.flatnonzero(mat & (birth >= 0))
+    dots = np.flatnonzero(np.array([_transposed_lhs(op) for op in graph.ops], dtype=bool)[t.source])
+    dots = dots[np.argsort(t.time[dots], kind="stable")]
+    lhs, at = t.lhs[dots], t.time[dots]
+    made = np.where(arguments[lhs] | (birth[lhs] < 0), at, birth[lhs])
+    copy = np.concatenate([np.zeros(len(live), dtype=bool), np.ones(len(dots), dtype=bool)])
+    return Liveness(np.concatenate([live, lhs]), np.concatenate([birth[live], made]), np.concatenate([death[live], at]),
+                    np.concatenate([arguments[live], np.zeros(len(dots), dtype=bool)]),
+                    np.concatenate([results[live], np.zeros(len(dots), dtype=bool)]), t.end, copy)
 
 
 def _transposed_lhs(op: Op) -> bool:
@@ -77,19 +129,49 @@ def _transposed_lhs(op: Op) -> bool:
     return any(r and not later for i, r in enumerate(reduced) for later in reduced[i + 1:])
 
 
-def _read_in_kernel(fused: list[Op], death: dict[int, int]) -> None:
-    """Move reads by `fused` ops to when their kernel runs: such an op runs inside the fusion that
-    makes the first materialized value downstream, so what it reads lives until then (XLA
-    computes a GELU's gradient in one kernel that reads the pre-activation, the tanh and the
-    incoming gradient). Last first, so a later fused reader has already pushed its reads on."""
-    for op in reversed(fused):
-        t = op.id
-        for r in op.results:
-            if death[r] > t:
-                t = death[r]
-        for v in op.operands:
-            if death[v] < t:
-                death[v] = t
+def _read_in_kernel(graph: Graph, t: Table, mat: np.ndarray, death: np.ndarray) -> None:
+    """Move reads by fused ops to when their kernel runs: an elementwise op none of whose results
+    reach memory runs inside the fusion that makes the first materialized value downstream, so
+    what it reads lives until then (XLA computes a GELU's gradient in one kernel that reads the
+    pre-activation, the tanh and the incoming gradient)."""
+    from .cost import FUSIBLE
+
+    fusible = np.array([op.primitive in FUSIBLE for op in graph.ops], dtype=bool)[t.source]
+    stored = np.zeros(len(t.time), dtype=bool)
+    stored[t.make_row[mat[t.makes]]] = True
+    fused = fusible & ~stored
+    made, reads = fused[t.make_row], fused[t.read_row]
+    make_v, make_r, read_v, read_r = t.makes[made], t.make_row[made], t.reads[reads], t.read_row[reads]
+    root = _chain_ends(t, fused, death.shape[0])
+    while True:  # pushes along fan-outs, one level a round (chains are one hop, `_chain_ends`)
+        kernel = t.time.copy()
+        np.maximum.at(kernel, make_r, death[make_v])
+        kernel = kernel[root]
+        before = death[read_v]
+        np.maximum.at(death, read_v, kernel[read_r])
+        if np.array_equal(before, death[read_v]):
+            return
+
+
+def _chain_ends(t: Table, fused: np.ndarray, slots: int) -> np.ndarray:
+    """Per row, the fused op at the end of its chain: a fused op whose one result only one fused op
+    reads runs in that op's kernel (a scalar sum over every gradient is such a chain, as long as
+    the model has leaves), found by pointer jumping."""
+    rows = len(t.time)
+    results = np.bincount(t.make_row, minlength=rows)
+    readers = np.bincount(t.reads % slots, minlength=slots)  # (the last slot counts literals, -1)
+    reader = np.full(slots, -1, dtype=np.int64)
+    reader[t.reads] = t.read_row
+    nxt = np.arange(rows)
+    one = fused[t.make_row] & (results[t.make_row] == 1) & (readers[t.makes] == 1)
+    q = reader[t.makes[one]]
+    link = fused[q]
+    nxt[t.make_row[one][link]] = q[link]
+    while True:
+        up = nxt[nxt]
+        if np.array_equal(up, nxt):
+            return nxt
+        nxt = up
 
 
 def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copies: bool = False) -> int:
