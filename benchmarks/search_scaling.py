@@ -6,7 +6,8 @@ A GPT-3-175B-shaped decoder (d_model 12288, 96 heads, d_ff 49152, vocab 50257, s
 batch 128 sequences per step) written as examples/gpt writes it (an unrolled Python loop over
 layers, AdamW; and with `scan_layers`, stacked layers run by jax.lax.scan), at 12 to 96 layers,
 planned for 8, 64 and 1,024 H100s. Times, one run each:
-`capture` traces the step and builds the factor graph (linear in the unrolled ops), `fold`
+`capture` traces the step and builds the factor graph (two copies of each repeated block of
+equations op by op, later copies checked and replayed), `fold`
 recognises repeated layers and folds them, `search` is everything after (propagations, pricing,
 the ILP at `thorough`). The memory limit is lifted: without activation recomputation or pipeline
 stages this model does not fit 80 GB at any of these meshes (the search says so, by how much), and

@@ -32,6 +32,7 @@ Optimizer state follows its parameter (same shape, same path below its container
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -77,6 +78,17 @@ class _Inputs:
     @property
     def graph(self) -> Graph:  # folded: one copy of each repeated layer
         return self.fold.graph
+
+    @functools.cached_property
+    def mirror_keys(self) -> tuple[list, list]:
+        """Per leaf, what `_mirror_optimizer_state` looks up (built once: a deep model has ~10^4
+        leaves and every candidate mirrors): (value, its key below its container), and for the
+        leaves outside the batch, (value, each tail of its path, longest first)."""
+        shape = lambda v: self.graph.values[v].shape
+        below = [(v, (shape(v), keys[1:])) for v, keys in zip(self.ids, self.keys)]
+        tails = [(v, [(shape(v), keys[-n:]) for n in range(len(keys), 0, -1)])
+                 for v, keys, a in zip(self.ids, self.keys, self.argnum) if a not in self.batch_argnums]
+        return below, tails
 
 
 LEVELS = ("fast", "thorough")
@@ -156,7 +168,7 @@ def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_l
 
 def _inputs(fn, args, batch_argnums) -> _Inputs:
     t0 = time.perf_counter()
-    abstract = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), a) for a in args)
+    abstract = tuple(jax.tree.map(_abstract, a) for a in args)
     graph = capture(fn, *abstract, compact=True)  # the only trace of fn: its output shapes come with the graph
     if batch_argnums is None:
         batch_argnums = _batch_argnums(abstract, graph.out_shape)
@@ -171,6 +183,12 @@ def _inputs(fn, args, batch_argnums) -> _Inputs:
     folded = fold(graph, keys, leaves)
     seconds = (t1 - t0, time.perf_counter() - t1)
     return _Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    if type(x) is jax.ShapeDtypeStruct and x.sharding is None and not x.weak_type:
+        return x  # (already bare: a deep model has ~10^4 leaves)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _key_name(key) -> str:
@@ -459,14 +477,13 @@ def _experts(inputs: _Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
 def _mirror_optimizer_state(inputs: _Inputs, annotations: Mapping[int, Sharding]) -> dict[int, Sharding]:
     """A state leaf with the same shape as an annotated one and the same path below its container
     (`opt/0/mu/layer0/w1` mirrors `params/layer0/w1`) gets the same sharding."""
-    g = inputs.graph
     out = dict(annotations)
-    below: dict[tuple, Sharding] = {(g.values[v].shape, keys[1:]): annotations[v]
-                                    for v, keys in zip(inputs.ids, inputs.keys) if v in annotations}
-    for v, keys, a in zip(inputs.ids, inputs.keys, inputs.argnum):
-        if v in out or a in inputs.batch_argnums:
+    leaves, tails = inputs.mirror_keys
+    below: dict[tuple, Sharding] = {k: annotations[v] for v, k in leaves if v in annotations}
+    for v, keys in tails:
+        if v in out:
             continue
-        hit = next((below[k] for n in range(len(keys), 0, -1) if (k := (g.values[v].shape, keys[-n:])) in below), None)
+        hit = next((below[k] for k in keys if k in below), None)
         if hit is not None:
             out[v] = hit
     return out

@@ -13,7 +13,9 @@ gives them one sharding, the steady state of the unrolled graph.
 
 Every folded op carries its multiplicity, so compute and communication are priced once and counted
 L times; peak memory is computed on the unrolled timeline (`memory.peak`), because activations
-saved by every layer add up there and nowhere else.
+saved by every layer add up there and nowhere else. A compact capture's replayed copies
+(`Graph.copies`) fold onto their template without being walked op by op: their values by their
+shift, their outside reads as pairs, their ops as multiplicity of the template's.
 """
 from __future__ import annotations
 

@@ -18,6 +18,12 @@ once, its ops marked to run `length` times: each scanned input is read through a
 `scan_stack` op, and `tie` ops join a carry's initial value, its value inside the body and its
 next value, so a scanned stack of layers is one layer to propagate and plan. `while` and `cond`
 keep their bodies as sub-graphs, priced but not sharded.
+
+A Python loop over layers unrolls into repeated blocks of top-level equations; capture builds two
+copies of each and replays the rest from the second (`replay`), so its time grows with depth by
+checking and renaming, not by building. `capture(..., compact=True)` keeps the replayed copies as
+`Graph.copies` (the fold and the memory model read them so); by default they are expanded into
+ops, exactly those capture would have built one by one.
 """
 from __future__ import annotations
 
