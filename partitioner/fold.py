@@ -69,18 +69,9 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     in_copy = np.zeros(len(graph.ops), dtype=bool)
     is_input = set(graph.inputs)
     replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
-    inputs = np.zeros(len(graph.values), dtype=bool)
-    inputs[graph.inputs] = True
-    for c in graph.copies:  # copy k reads `a` where the template reads `b`
+    for c in graph.copies:  # each copy reads its `free_ids` where the template reads `free`
         replayed[c.template] = len(c.shifts)
-        a, b = c.free_ids.ravel(), np.tile(c.free, len(c.shifts))
-        both = inputs[a] & inputs[b]
-        pairs += zip(a[~both].tolist(), b[~both].tolist(), [len(c.shifts) + 1] * int((~both).sum()))
-        for a, b in zip(a[both].tolist(), b[both].tolist()):  # (in order: the first class a weight joins holds)
-            if parent[a] == a:
-                parent[a] = _find(parent, b)
-            elif a != b:
-                pairs.append((a, b, len(c.shifts) + 1))
+        _pair(parent, pairs, is_input, c.free_ids.ravel().tolist(), np.tile(c.free, len(c.shifts)).tolist(), len(c.shifts) + 1)
     for r in find_repeats(graph, min_period=MIN_PERIOD):
         copies = r.count - 1 + int(replayed[r.start:r.stop].max())
         for k in range(1, r.count):
@@ -91,8 +82,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
                 op_parent[op_k.id] = op_0.id
                 for a, b in zip(op_k.results, op_0.results):
                     parent[a] = b
-                for a, b in zip(op_k.operands, op_0.operands):
-                    _pair(parent, pairs, is_input, a, b, copies)
+                _pair(parent, pairs, is_input, op_k.operands, op_0.operands, copies)
     if keys is not None and input_ids is not None:
         _merge_mirrors(graph, parent, keys, input_ids)
     kept, seen = [], {}
@@ -129,15 +119,16 @@ def _replayed_parents(graph: Graph) -> list[int]:
     return parent.tolist()
 
 
-def _pair(parent: list[int], pairs: list, is_input: set, a: int, b: int, copies: int) -> None:
-    """Copy k reads `a` where copy 0 reads `b`: the same weight (layer k's is layer 0's), or two
-    values to tie."""
-    if a < 0 or b < 0 or a == b:
-        return
-    if a in is_input and b in is_input and parent[a] == a:
-        parent[a] = _find(parent, b)
-    else:
-        pairs.append((a, b, copies))
+def _pair(parent: list[int], pairs: list, is_input: set, reads_k: Sequence[int], reads_0: Sequence[int], copies: int) -> None:
+    """Copy k reads `reads_k` where copy 0 reads `reads_0`: the same weight (layer k's is layer
+    0's; the first class a weight joins holds), or two values to tie."""
+    for a, b in zip(reads_k, reads_0):
+        if a < 0 or b < 0 or a == b:
+            continue
+        if a in is_input and b in is_input and parent[a] == a:
+            parent[a] = _find(parent, b)
+        else:
+            pairs.append((a, b, copies))
 
 
 def _find(parent: list[int], v: int) -> int:

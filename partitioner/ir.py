@@ -178,7 +178,7 @@ class _Builder:
                                        [j for j, e in enumerate(second) if not _params_free(e)])
             if not template.ok:
                 continue
-            marker = replay.Replay(template, first)
+            marker = replay.Replay(template)
             size = len(self.values) - values
             new_unknown = {k: n - unknown.get(k, 0) for k, n in self.unknown.items() if n != unknown.get(k, 0)}
             for k in range(2, count):

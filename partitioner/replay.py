@@ -128,11 +128,11 @@ def _getter(at: list[int]):
 
 
 class Replay:
-    """While building: the template's ops (positions `first`..`first + len(template.ops)` of the
-    builder's op list) and the copies replayed from it."""
+    """While building: a template and the copies replayed from it; it stands in the builder's op
+    list right after the template's ops."""
 
-    def __init__(self, template: Template, first: int):
-        self.template, self.first = template, first
+    def __init__(self, template: Template):
+        self.template = template
         self.shifts: list[int] = []
         self.free_ids: list[np.ndarray] = []
         self.patterns: list[tuple[int, ...]] = []  # per copy, last first: template ops alive in it

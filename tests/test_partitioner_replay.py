@@ -118,12 +118,17 @@ def test_search_on_the_compact_graph_chooses_what_the_unrolled_one_does(monkeypa
     from partitioner import automap
 
     step, args = gpt(1024, 8, 4096, 1000, 128, 6, 16)
-    plans = []
+    plans, captured = [], []
     for compact in (False, True):
-        monkeypatch.setattr(automap, "capture", lambda fn, *a, compact=compact, **_: ir.capture(fn, *a, compact=compact))
+        def capture(fn, *a, _compact=compact, **_):  # (search asks for compact=True: this captures as the round says)
+            captured.append(ir.capture(fn, *a, compact=_compact))
+            return captured[-1]
+
+        monkeypatch.setattr(automap, "capture", capture)
         plan, ranked = search(step, *args, devices=8, hardware="h100")
         plans.append((plan.mesh, plan.cost.total_seconds, plan.cost.peak_bytes_per_device,
                       [(c.tactic, dict(c.mesh)) for c in ranked[:4]], np.array([c.cost.total_seconds for c in ranked[:4]])))
+    assert [bool(g.copies) for g in captured] == [False, True]
     (mesh_u, t_u, peak_u, order_u, costs_u), (mesh_c, t_c, peak_c, order_c, costs_c) = plans
     assert mesh_u == mesh_c and order_u == order_c and peak_u == peak_c
     assert t_c == pytest.approx(t_u, rel=1e-6) and np.allclose(costs_c, costs_u, rtol=1e-6)
