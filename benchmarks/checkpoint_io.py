@@ -15,6 +15,7 @@ Then, once: zstd vs raw codec, Orbax's StandardCheckpointer on the same state, p
 of a restore in a fresh process, and bytes read per process by 3 processes x 2 devices restoring
 onto the 3 x 2 mesh (real jax.distributed group).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,8 @@ def shapes() -> dict:
 def build_state(mesh):
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     rng = np.random.default_rng(0)
 
@@ -53,10 +55,14 @@ def build_state(mesh):
 def target(mesh, spec_2d):
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, spec_2d if len(s) > 1 else P())),
-                        shapes(), is_leaf=lambda s: isinstance(s, tuple))
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, spec_2d if len(s) > 1 else P())),
+        shapes(),
+        is_leaf=lambda s: isinstance(s, tuple),
+    )
 
 
 def evict(path: str) -> None:
@@ -80,7 +86,9 @@ def settle(seconds: float = 3.0) -> None:
 def dd_write(path: str, nbytes: int) -> float:
     mib = max(1, nbytes >> 20)
     t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"], check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"], check=True, capture_output=True
+    )
     return (mib << 20) / (time.perf_counter() - t)
 
 
@@ -104,9 +112,10 @@ def stored_bytes(step_dir: str) -> int:
 def measure(args) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
-    from checkpoint import Codec, Store, StoreConfig
+    from checkpoint import Store, StoreConfig
 
     devices = jax.devices()
     mesh8 = Mesh(np.array(devices[:8]), ("x",))
@@ -156,26 +165,49 @@ def measure(args) -> dict:
         raw_files = raw_read(step_dir)
         raw = raw_read(dd_file)
         os.remove(dd_file)
-        rows.append({"d2h_s": d2h, "blocking_s": blocking, "write_Bps": written / background, "dd_Bps": dd, "raw_read_Bps": raw,
-                     "raw_read_files_Bps": raw_files, "restore_same_s": restores["same"][0],
-                     "restore_reshard_s": restores["reshard"][0], "restore_same_Bps": nbytes / restores["same"][0],
-                     "amp_same": restores["same"][1].read_amplification,
-                     "amp_reshard": restores["reshard"][1].read_amplification, "written": written})
+        rows.append(
+            {
+                "d2h_s": d2h,
+                "blocking_s": blocking,
+                "write_Bps": written / background,
+                "dd_Bps": dd,
+                "raw_read_Bps": raw,
+                "raw_read_files_Bps": raw_files,
+                "restore_same_s": restores["same"][0],
+                "restore_reshard_s": restores["reshard"][0],
+                "restore_same_Bps": nbytes / restores["same"][0],
+                "amp_same": restores["same"][1].read_amplification,
+                "amp_reshard": restores["reshard"][1].read_amplification,
+                "written": written,
+            }
+        )
         print(json.dumps({k: round(v, 4) for k, v in rows[-1].items()}), flush=True)
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
-    ratio = lambda a, b, invert=False: statistics.median((row[b] / row[a]) if invert else (row[a] / row[b]) for row in rows)
-    out = {"state_bytes": nbytes, "repeats": rows, "median": med,
-           "median_of_ratios": {"blocking_over_d2h": ratio("blocking_s", "d2h_s"), "write_over_dd": ratio("write_Bps", "dd_Bps"),
-                                "restore_over_raw_read": ratio("restore_same_Bps", "raw_read_Bps"),
-                                "restore_over_raw_read_files": ratio("restore_same_Bps", "raw_read_files_Bps"),
-                                "reshard_over_same": ratio("restore_reshard_s", "restore_same_s")},
-           "blocking_over_d2h": med["blocking_s"] / med["d2h_s"], "write_over_dd": med["write_Bps"] / med["dd_Bps"],
-           "restore_over_raw_read": med["restore_same_Bps"] / med["raw_read_Bps"],
-           "restore_over_raw_read_files": med["restore_same_Bps"] / med["raw_read_files_Bps"],
-           "reshard_over_same": med["restore_reshard_s"] / med["restore_same_s"]}
+    ratio = lambda a, b, invert=False: statistics.median(
+        (row[b] / row[a]) if invert else (row[a] / row[b]) for row in rows
+    )
+    out = {
+        "state_bytes": nbytes,
+        "repeats": rows,
+        "median": med,
+        "median_of_ratios": {
+            "blocking_over_d2h": ratio("blocking_s", "d2h_s"),
+            "write_over_dd": ratio("write_Bps", "dd_Bps"),
+            "restore_over_raw_read": ratio("restore_same_Bps", "raw_read_Bps"),
+            "restore_over_raw_read_files": ratio("restore_same_Bps", "raw_read_files_Bps"),
+            "reshard_over_same": ratio("restore_reshard_s", "restore_same_s"),
+        },
+        "blocking_over_d2h": med["blocking_s"] / med["d2h_s"],
+        "write_over_dd": med["write_Bps"] / med["dd_Bps"],
+        "restore_over_raw_read": med["restore_same_Bps"] / med["raw_read_Bps"],
+        "restore_over_raw_read_files": med["restore_same_Bps"] / med["raw_read_files_Bps"],
+        "reshard_over_same": med["restore_reshard_s"] / med["restore_same_s"],
+    }
     out["codecs"] = codecs(state, base)
     out["orbax"] = orbax_baseline(state, base, mesh8)
-    out["memory"] = [subprocess_json(["memory", store.path, str(args.repeats - 1), kind]) for kind in ("same", "reshard")]
+    out["memory"] = [
+        subprocess_json(["memory", store.path, str(args.repeats - 1), kind]) for kind in ("same", "reshard")
+    ]
     out["processes"] = multiprocess_restore(store.path, args.repeats - 1)
     return out
 
@@ -212,9 +244,21 @@ def orbax_baseline(state, base: str, mesh8) -> dict:
 
 
 def subprocess_json(argv: list[str], devices: int = 8, extra_env: dict | None = None) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(extra_env or {}))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--role", *argv], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+        **(extra_env or {}),
+    )
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--role", *argv],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -224,13 +268,17 @@ def role_memory(path: str, step: int, kind: str) -> dict:
     """Peak resident memory a restore adds to a fresh process, against the bytes its devices hold."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     from checkpoint import Store
 
     devices = jax.devices()
-    tgt = target(Mesh(np.array(devices[:8]), ("x",)), P("x")) if kind == "same" else \
-        target(Mesh(np.array(devices[:6]).reshape(3, 2), ("data", "model")), P("data", "model"))
+    tgt = (
+        target(Mesh(np.array(devices[:8]), ("x",)), P("x"))
+        if kind == "same"
+        else target(Mesh(np.array(devices[:6]).reshape(3, 2), ("data", "model")), P("data", "model"))
+    )
     store = Store(path)
     store.metadata(step)
     rss = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
@@ -249,8 +297,17 @@ def multiprocess_restore(path: str, step: int) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "process", path, str(step), str(p), str(port)],
-                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--role", "process", path, str(step), str(p), str(port)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in range(3)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=600)
@@ -263,7 +320,8 @@ def multiprocess_restore(path: str, step: int) -> list[dict]:
 def role_process(path: str, step: int, pid: int, port: int) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 3, pid, initialization_timeout=60)
@@ -275,8 +333,13 @@ def role_process(path: str, step: int, pid: int, port: int) -> dict:
     t = time.perf_counter()
     jax.block_until_ready(store.restore(step, target=target(mesh, P("data", "model"))))
     s = store.last_restore
-    return {"process": pid, "seconds": time.perf_counter() - t, "bytes_needed": s.bytes_needed, "bytes_read": s.bytes_read,
-            "amplification": s.read_amplification}
+    return {
+        "process": pid,
+        "seconds": time.perf_counter() - t,
+        "bytes_needed": s.bytes_needed,
+        "bytes_read": s.bytes_read,
+        "amplification": s.read_amplification,
+    }
 
 
 def main() -> None:

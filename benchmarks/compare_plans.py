@@ -4,6 +4,7 @@ predicted step time.
 
     .venv/bin/python benchmarks/compare_plans.py ROOT > a.log   # then diff two ROOTs' logs
 """
+
 import json
 import os
 import sys
@@ -18,9 +19,20 @@ def main() -> None:
     for name, make in TARGETS.items():
         step, args = make()
         plan, _ = search(step, *args, devices=8, hardware="h100")
-        print(json.dumps([name, plan.notes[0].split()[1], plan.mesh, dict(plan.cost.collective_bytes),
-                          plan.cost.peak_bytes_per_device, plan.cost.cpu_peak_bytes_per_device,
-                          round(plan.cost.total_seconds, 6)]), flush=True)
+        print(
+            json.dumps(
+                [
+                    name,
+                    plan.notes[0].split()[1],
+                    plan.mesh,
+                    dict(plan.cost.collective_bytes),
+                    plan.cost.peak_bytes_per_device,
+                    plan.cost.cpu_peak_bytes_per_device,
+                    round(plan.cost.total_seconds, 6),
+                ]
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

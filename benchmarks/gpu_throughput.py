@@ -9,6 +9,7 @@ it, and its step reports summarised: median step time over the steps without a s
 MFU against the hardware profile's peak (989 TFLOP/s, bf16 dense) and against the matmul rate
 measured here for the dtype the model uses. Full numbers go to $OUT/gpu_throughput.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def matmul_rate(dtype, n=8192, repeats=10) -> float:
     """FLOP/s of an n x n x n product at the default precision, median of `repeats` timings."""
     import jax
-    import jax.numpy as jnp
 
     keys = jax.random.split(jax.random.key(0), 3)
     a, b = (jax.random.normal(k, (n, n), dtype) for k in keys[:2])
@@ -60,10 +60,20 @@ def main() -> int:
     device = jax.devices()[0]
     plan = partitioner.plan(module.bench_program.step, state, batch, devices=1, hardware="h100")
     workdir = tempfile.mkdtemp(prefix="remesh-gpu-")
-    spec = SegmentSpec(program="examples.gpt.model:bench_program", steps=args.steps, global_batch=args.batch, seed=0,
-                       checkpoint=CheckpointSpec(os.path.join(workdir, "ckpt"), every=10**6, keep=1),
-                       plan_json=plan.to_json(), coordinator="", num_processes=1, process_id=0, digest=False,
-                       hardware="h100", job="gpu-bench")
+    spec = SegmentSpec(
+        program="examples.gpt.model:bench_program",
+        steps=args.steps,
+        global_batch=args.batch,
+        seed=0,
+        checkpoint=CheckpointSpec(os.path.join(workdir, "ckpt"), every=10**6, keep=1),
+        plan_json=plan.to_json(),
+        coordinator="",
+        num_processes=1,
+        process_id=0,
+        digest=False,
+        hardware="h100",
+        job="gpu-bench",
+    )
     reports: list[dict] = []
     t0 = time.time()
     run_segment(spec, reports.append)
@@ -78,13 +88,29 @@ def main() -> int:
     formula = 6 * (L * (4 * d * d + 2 * d * f) + V * d) * args.batch * s + 12 * L * s * d * args.batch * s
     f32, bf16 = matmul_rate(jax.numpy.float32), matmul_rate(jax.numpy.bfloat16)
     result = {
-        "device": device.device_kind, "jax": jax.__version__, "model": {"d_model": d, "layers": L, "d_ff": f, "vocab": V,
-        "seq_len": s, "batch": args.batch, "parameters": params, "dtype": "float32"},
-        "plan": plan.describe(), "steps_measured": len(steady), "wall_seconds": wall,
-        "compile_seconds": compile_["seconds"], "model_flops_per_step": compile_["model_flops"],
-        "formula_flops_per_step": formula, "median_step_seconds": median("seconds"),
-        "median_tokens_per_second": median("tokens_per_second"), "median_mfu_vs_profile_peak": median("mfu"),
-        "matmul_f32_default_precision_flops": f32, "matmul_bf16_flops": bf16,
+        "device": device.device_kind,
+        "jax": jax.__version__,
+        "model": {
+            "d_model": d,
+            "layers": L,
+            "d_ff": f,
+            "vocab": V,
+            "seq_len": s,
+            "batch": args.batch,
+            "parameters": params,
+            "dtype": "float32",
+        },
+        "plan": plan.describe(),
+        "steps_measured": len(steady),
+        "wall_seconds": wall,
+        "compile_seconds": compile_["seconds"],
+        "model_flops_per_step": compile_["model_flops"],
+        "formula_flops_per_step": formula,
+        "median_step_seconds": median("seconds"),
+        "median_tokens_per_second": median("tokens_per_second"),
+        "median_mfu_vs_profile_peak": median("mfu"),
+        "matmul_f32_default_precision_flops": f32,
+        "matmul_bf16_flops": bf16,
         "mfu_vs_measured_f32_matmul": compile_["model_flops"] / median("seconds") / f32,
     }
     out = os.environ.get("OUT")
@@ -92,10 +118,12 @@ def main() -> int:
         with open(os.path.join(out, "gpu_throughput.json"), "w") as fh:
             json.dump({"result": result, "reports": reports}, fh, indent=1)
     print(json.dumps(result, indent=1))
-    print(f"| {device.device_kind} | {params / 1e6:.0f} M | {args.batch} x {s} | {result['median_step_seconds'] * 1e3:.1f} ms | "
-          f"{result['median_tokens_per_second']:,.0f} | {compile_['model_flops'] / 1e12:.2f} ({compile_['model_flops'] / formula:.3f} of formula) | "
-          f"{100 * result['median_mfu_vs_profile_peak']:.1f}% | {f32 / 1e12:.0f} / {bf16 / 1e12:.0f} | "
-          f"{100 * result['mfu_vs_measured_f32_matmul']:.1f}% |")
+    print(
+        f"| {device.device_kind} | {params / 1e6:.0f} M | {args.batch} x {s} | {result['median_step_seconds'] * 1e3:.1f} ms | "
+        f"{result['median_tokens_per_second']:,.0f} | {compile_['model_flops'] / 1e12:.2f} ({compile_['model_flops'] / formula:.3f} of formula) | "
+        f"{100 * result['median_mfu_vs_profile_peak']:.1f}% | {f32 / 1e12:.0f} / {bf16 / 1e12:.0f} | "
+        f"{100 * result['mfu_vs_measured_f32_matmul']:.1f}% |"
+    )
     return 0
 
 

@@ -4,6 +4,7 @@ GPT at three sizes; and what one device's partitioned program executes on 8 devi
 
     .venv/bin/python benchmarks/model_flops.py
 """
+
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -36,7 +37,9 @@ def formula(cfg):
 
 
 def main():
-    print("| model | 6 N T | attention | formula GFLOP | XLA-counted GFLOP | counted / formula | plan on 8 | one device's GFLOP x 8 / counted |")
+    print(
+        "| model | 6 N T | attention | formula GFLOP | XLA-counted GFLOP | counted / formula | plan on 8 | one device's GFLOP x 8 / counted |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, cfg in SIZES.items():
         program = make_program(cfg)
@@ -48,8 +51,10 @@ def main():
         f = step_flops(program.step, (state, batch), compiled)
         dense, attention = formula(cfg)
         total = dense + attention
-        print(f"| {name} | {dense / 1e9:.2f} | {attention / 1e9:.2f} | {total / 1e9:.2f} | {f['model_flops'] / 1e9:.2f} | "
-              f"**{f['model_flops'] / total:.3f}** | {plan.describe()} | {8 * f['device_flops'] / f['model_flops']:.2f} |")
+        print(
+            f"| {name} | {dense / 1e9:.2f} | {attention / 1e9:.2f} | {total / 1e9:.2f} | {f['model_flops'] / 1e9:.2f} | "
+            f"**{f['model_flops'] / total:.3f}** | {plan.describe()} | {8 * f['device_flops'] / f['model_flops']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ the search took. Peak memory is predicted for the H100 and for XLA:CPU's layout 
 
     .venv/bin/python benchmarks/plan_quality.py
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,22 @@ def main() -> None:
         seconds = time.perf_counter() - t
         v = verify(plan, step, *args, hardware="h100")
         predicted, compiled = sum(plan.cost.collective_bytes.values()), sum(v.collective_bytes.values())
-        rows.append({"model": name, "chosen": plan.notes[0].split()[1], "mesh": plan.mesh, "search_s": round(seconds, 3),
-                     "candidates": len(ranked), "predicted_collective_bytes": predicted, "compiled_collective_bytes": compiled,
-                     "bytes_ratio": round(compiled / predicted, 4) if predicted else None,
-                     "predicted_peak": plan.cost.peak_bytes_per_device, "predicted_peak_xla_cpu": v.predicted_peak_bytes,
-                     "compiled_peak": v.peak_bytes, "peak_ratio": round(v.peak_bytes / v.predicted_peak_bytes, 4)})
+        rows.append(
+            {
+                "model": name,
+                "chosen": plan.notes[0].split()[1],
+                "mesh": plan.mesh,
+                "search_s": round(seconds, 3),
+                "candidates": len(ranked),
+                "predicted_collective_bytes": predicted,
+                "compiled_collective_bytes": compiled,
+                "bytes_ratio": round(compiled / predicted, 4) if predicted else None,
+                "predicted_peak": plan.cost.peak_bytes_per_device,
+                "predicted_peak_xla_cpu": v.predicted_peak_bytes,
+                "compiled_peak": v.peak_bytes,
+                "peak_ratio": round(v.peak_bytes / v.predicted_peak_bytes, 4),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
 
 

@@ -13,6 +13,7 @@ collectives XLA inserted, alpha-beta); otherwise the exhaustive side is the best
 among the cost model's best `TOP` points. The searched plans (`fast`, `thorough`) are compiled and
 priced the same way.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,7 +62,11 @@ def space(inputs):
             continue
         options = [[None] + [k for k, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
         for choice in itertools.product(*options):
-            tp = {w.value: w.sharding(automap._split(w.shape(g), k, "model")) for w, k in zip(found, choice) if k is not None}
+            tp = {
+                w.value: w.sharding(automap._split(w.shape(g), k, "model"))
+                for w, k in zip(found, choice)
+                if k is not None
+            }
             if not tp:
                 continue
             out.append(automap._priced(inputs, "split", mesh, {**batch, **tp}, hw, batch))
@@ -84,7 +89,15 @@ def main() -> None:
     from partitioner.hardware import profile
 
     limit = profile("h100").memory_bytes
-    for name in sys.argv[1:] or ["mlp-small-weights", "mlp-1k", "mlp-4k", "gpt-example", "gpt-d8192", "llama-gqa-swiglu", "moe-8x"]:
+    for name in sys.argv[1:] or [
+        "mlp-small-weights",
+        "mlp-1k",
+        "mlp-4k",
+        "gpt-example",
+        "gpt-d8192",
+        "llama-gqa-swiglu",
+        "moe-8x",
+    ]:
         fn, args = TARGETS[name]()
         inputs = automap._inputs(fn, args, None)
         if size(inputs) > FEASIBLE:
@@ -93,7 +106,9 @@ def main() -> None:
         t = time.perf_counter()
         points = space(inputs)
         priced_s = time.perf_counter() - t
-        fitting = sorted((p for p in points if p.cost.peak_bytes_per_device <= limit), key=lambda p: p.cost.total_seconds)
+        fitting = sorted(
+            (p for p in points if p.cost.peak_bytes_per_device <= limit), key=lambda p: p.cost.total_seconds
+        )
         chosen = fitting if len(fitting) <= COMPILE_ALL_BELOW else fitting[:TOP]
         best, best_s = None, float("inf")
         for p in chosen:
@@ -101,15 +116,29 @@ def main() -> None:
             seconds, peak = compiled(plan, fn, args)
             if peak <= limit and seconds < best_s:
                 best, best_s = p, seconds
-        row = {"model": name, "points": len(points), "fitting": len(fitting), "compiled": len(chosen),
-               "all_compiled": len(chosen) == len(fitting), "pricing_s": round(priced_s, 1),
-               "exhaustive": {"tactic": best.tactic, "mesh": best.mesh, "compiled_s": best_s,
-                              "model_best_s": fitting[0].cost.total_seconds}}
+        row = {
+            "model": name,
+            "points": len(points),
+            "fitting": len(fitting),
+            "compiled": len(chosen),
+            "all_compiled": len(chosen) == len(fitting),
+            "pricing_s": round(priced_s, 1),
+            "exhaustive": {
+                "tactic": best.tactic,
+                "mesh": best.mesh,
+                "compiled_s": best_s,
+                "model_best_s": fitting[0].cost.total_seconds,
+            },
+        }
         for level in ("fast", "thorough"):
             plan, _ = automap.search(fn, *args, devices=8, hardware="h100", level=level)
             seconds, _ = compiled(plan, fn, args)
-            row[level] = {"chosen": plan.notes[0].split()[1], "mesh": dict(plan.mesh), "compiled_s": seconds,
-                          "over_exhaustive": seconds / best_s}
+            row[level] = {
+                "chosen": plan.notes[0].split()[1],
+                "mesh": dict(plan.mesh),
+                "compiled_s": seconds,
+                "over_exhaustive": seconds / best_s,
+            }
         print(json.dumps(row), flush=True)
 
 

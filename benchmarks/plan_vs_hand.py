@@ -10,6 +10,7 @@ over model (data=2 x model=4) with Megatron attention) are compiled with `partit
 each is priced the same way from what XLA produced: XLA's FLOPs at the h100 profile's peak plus
 the collectives XLA inserted, priced alpha-beta. Peak memory is XLA's.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,11 @@ def hand_plans(fn, args):
         name = path.rstrip("']").split("'")[-1]
         return P("model") if name in ("w_in", "w_out") else megatron(path, shape)
 
-    rules = [("hand dp", {"data": 8}, lambda p, s: P()), ("hand fsdp", {"data": 8}, fsdp),
-             ("hand megatron", {"data": 2, "model": 4}, megatron)]
+    rules = [
+        ("hand dp", {"data": 8}, lambda p, s: P()),
+        ("hand fsdp", {"data": 8}, fsdp),
+        ("hand megatron", {"data": 2, "model": 4}, megatron),
+    ]
     if any("w_in" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]):
         rules.append(("hand expert", {"data": 2, "model": 4}, experts))
     out = {}
@@ -86,9 +90,14 @@ def main() -> None:
         row = {"model": name}
         for label, plan in plans.items():
             v = verify(plan, fn, *args, hardware="h100")
-            row[label] = {"seconds": v.compute_seconds + v.communication_seconds, "compute_s": v.compute_seconds,
-                          "comm_s": v.communication_seconds, "peak_bytes": v.peak_bytes, "fits": v.peak_bytes <= hw.memory_bytes,
-                          "mesh": dict(plan.mesh)}
+            row[label] = {
+                "seconds": v.compute_seconds + v.communication_seconds,
+                "compute_s": v.compute_seconds,
+                "comm_s": v.communication_seconds,
+                "peak_bytes": v.peak_bytes,
+                "fits": v.peak_bytes <= hw.memory_bytes,
+                "mesh": dict(plan.mesh),
+            }
         hand = [v["seconds"] for k, v in row.items() if k.startswith("hand") and v["fits"]]
         for level in ("fast", "thorough"):
             mine = next(v for k, v in row.items() if k.startswith(level))

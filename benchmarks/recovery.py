@@ -9,6 +9,7 @@ Baseline, measured in the same run: the cold start of the first segment on the s
 formed, state initialised, compiled, first step), which is what a restart-from-scratch pays
 before it even reloads a checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one_run(steps: int, lose_at: int) -> dict:
     d = tempfile.mkdtemp(prefix="remesh-bench-")
     summary = os.path.join(d, "summary.json")
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "examples/gpt/job.toml", "--checkpoint-dir",
-           os.path.join(d, "ckpt"), "--chaos", f"lose@{lose_at}", "--summary", summary]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "examples/gpt/job.toml",
+        "--checkpoint-dir",
+        os.path.join(d, "ckpt"),
+        "--chaos",
+        f"lose@{lose_at}",
+        "--summary",
+        summary,
+    ]
     job = os.path.join(d, "job.toml")
     with open(os.path.join(ROOT, "examples/gpt/job.toml")) as f:
         text = f.read().replace("steps = 120", f"steps = {steps}")

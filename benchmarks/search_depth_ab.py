@@ -7,6 +7,7 @@ commits can be timed in alternating processes on the same machine). The GPT-3-17
 of `search_scaling.py`, written as a Python loop, at 12 and 96 layers; each depth's step and
 arguments are built once, then the two depths alternate REPEATS times; medians are printed.
 """
+
 import os
 import re
 import sys
@@ -33,8 +34,14 @@ def main() -> None:
             runs[layers].append((total, *(float(x) for x in re.findall(r"(\d+\.\d+) s", note))))
     median = lambda xs: sorted(xs)[len(xs) // 2]
     for layers, rows in runs.items():
-        print(root, layers, "total %.3f capture %.3f fold %.3f search %.3f" % tuple(median([r[i] for r in rows]) for i in range(4)))
-    print("ratio %.2f" % (median([r[0] for r in runs[96]]) / median([r[0] for r in runs[12]])))
+        print(
+            root,
+            layers,
+            "total {:.3f} capture {:.3f} fold {:.3f} search {:.3f}".format(
+                *(median([r[i] for r in rows]) for i in range(4))
+            ),
+        )
+    print(f"ratio {median([r[0] for r in runs[96]]) / median([r[0] for r in runs[12]]):.2f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ the ILP at `thorough`). The memory limit is lifted: without activation recomputa
 stages this model does not fit 80 GB at any of these meshes (the search says so, by how much), and
 this benchmark measures search time, not feasibility.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,23 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = [(12, 1024, "fast", False), (24, 1024, "fast", False), (48, 1024, "fast", False), (96, 1024, "fast", False),
-         (12, 8, "fast", False), (96, 8, "fast", False), (12, 64, "fast", False), (96, 64, "fast", False),
-         (12, 1024, "thorough", False), (96, 1024, "thorough", False), (96, 8, "thorough", False),
-         (12, 1024, "fast", True), (96, 1024, "fast", True), (12, 1024, "thorough", True), (96, 1024, "thorough", True)]
+CASES = [
+    (12, 1024, "fast", False),
+    (24, 1024, "fast", False),
+    (48, 1024, "fast", False),
+    (96, 1024, "fast", False),
+    (12, 8, "fast", False),
+    (96, 8, "fast", False),
+    (12, 64, "fast", False),
+    (96, 64, "fast", False),
+    (12, 1024, "thorough", False),
+    (96, 1024, "thorough", False),
+    (96, 8, "thorough", False),
+    (12, 1024, "fast", True),
+    (96, 1024, "fast", True),
+    (12, 1024, "thorough", True),
+    (96, 1024, "thorough", True),
+]
 
 
 def main() -> None:
@@ -40,11 +54,28 @@ def main() -> None:
         timing = next(n for n in plan.notes if n.startswith("time:"))
         capture, fold, searched = (float(x) for x in re.findall(r"(\d+\.\d+) s", timing))
         ops = [int(x) for x in re.findall(r"\((\d+) ops\)", timing)]
-        print(json.dumps({"layers": layers, "scan": scan, "devices": devices, "level": level, "total_s": round(total, 2),
-                          "capture_s": capture, "fold_s": fold, "search_s": searched, "plan_s": round(fold + searched, 2),
-                          "ops": ops[0], "folded_ops": ops[1], "candidates": len(ranked),
-                          "chosen": plan.notes[0].split("  ")[0].replace("chosen: ", "").strip(), "mesh": plan.mesh,
-                          "predicted_step_s": round(plan.cost.total_seconds, 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "layers": layers,
+                    "scan": scan,
+                    "devices": devices,
+                    "level": level,
+                    "total_s": round(total, 2),
+                    "capture_s": capture,
+                    "fold_s": fold,
+                    "search_s": searched,
+                    "plan_s": round(fold + searched, 2),
+                    "ops": ops[0],
+                    "folded_ops": ops[1],
+                    "candidates": len(ranked),
+                    "chosen": plan.notes[0].split("  ")[0].replace("chosen: ", "").strip(),
+                    "mesh": plan.mesh,
+                    "predicted_step_s": round(plan.cost.total_seconds, 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@ devices needed): for each host, the bytes its devices need and the bytes of the 
 them. Plans are given as data, `{path: {"mesh": {axis: size}, "spec": [None | axis | [axes]]}}`,
 the same form a checkpoint records the sharding it was saved under in.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from . import layout
 
@@ -55,9 +56,11 @@ def estimate(leaves: Mapping, targets: Mapping[str, Mapping], devices_per_host: 
         chunk_bytes = math.prod(info.chunk_shape) * item
         per_host_needed, per_host_read = [], []
         for h in range(0, len(boxes), devices_per_host):
-            unique = {tuple((s.start, s.stop) for s in b): b for b in boxes[h:h + devices_per_host]}.values()
+            unique = {tuple((s.start, s.stop) for s in b): b for b in boxes[h : h + devices_per_host]}.values()
             per_host_needed.append(sum(layout.box_size(b, info.shape) for b in unique) * item)
-            per_host_read.append(sum(layout.chunks_touched(b, info.shape, info.chunk_shape) for b in unique) * chunk_bytes)
+            per_host_read.append(
+                sum(layout.chunks_touched(b, info.shape, info.chunk_shape) for b in unique) * chunk_bytes
+            )
         out.append(ReadEstimate(path, max(per_host_needed), max(per_host_read)))
     return out
 

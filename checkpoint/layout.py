@@ -11,6 +11,7 @@ manifest records every file's size (a missing chunk would otherwise read as zero
 every array's metadata. Inner chunks are small and split every dimension, so a restore onto another
 sharding reads little more than it needs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,8 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -64,15 +66,25 @@ class Layout:
             inner.append({"name": "zstd", "configuration": {"level": 1}})
         inner.append({"name": "crc32c"})
         if self.sharded:
-            codecs = [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": list(self.chunk_shape), "codecs": inner, "index_location": "end",
-                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]
+            codecs = [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.chunk_shape),
+                        "codecs": inner,
+                        "index_location": "end",
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    },
+                }
+            ]
         else:
             codecs = inner
         return {
-            "shape": list(self.shape), "data_type": self.dtype,
+            "shape": list(self.shape),
+            "data_type": self.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
-            "chunk_key_encoding": {"name": "default"}, "codecs": codecs,
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": codecs,
         }
 
 
@@ -80,8 +92,13 @@ class Layout:
 COMMON_DEGREES = (2, 3, 4, 6, 8)
 
 
-def choose_layout(shape: tuple[int, ...], dtype: np.dtype, shard_shape: tuple[int, ...], chunk_bytes: int,
-                  sharded_dims: tuple[int, ...] = ()) -> Layout:
+def choose_layout(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    shard_shape: tuple[int, ...],
+    chunk_bytes: int,
+    sharded_dims: tuple[int, ...] = (),
+) -> Layout:
     """Split the saved shard into inner chunks. First align: cut each dimension (the ones the save
     sharded first) so chunk edges fall on every boundary of a 2-, 3-, 4-, 6- or 8-way sharding of
     that dimension, as long as chunks stay above chunk_bytes / 16 (small chunks cost throughput) (a resharded restore then reads
@@ -114,7 +131,7 @@ def _smallest_prime_factor(n: int) -> int:
 def chunks_touched(box: Box, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
     """How many inner chunks a read of `box` decodes (TensorStore reads whole inner chunks)."""
     count = 1
-    for s, dim, c in zip(_normalize(box, shape), shape, chunk_shape):
+    for s, _dim, c in zip(_normalize(box, shape), shape, chunk_shape):
         if s.stop <= s.start:
             return 0
         count *= (s.stop - 1) // c - s.start // c + 1

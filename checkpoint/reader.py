@@ -7,6 +7,7 @@ rules (renamed leaves; per-layer leaves stacked into one scanned leaf and back) 
 dtype policy. Reads are pipelined under a byte budget so host memory stays near what the
 process must hold anyway.
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,7 +18,8 @@ import fnmatch
 import math
 import re
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -63,7 +65,7 @@ class Stack:
 class Unstack:
     """A per-layer target leaf read from one saved stacked leaf at index `i` (a named group) of `axis`.
 
-        Unstack(r"params/layer_(?P<i>\\d+)/(?P<name>.*)", "params/layers/{name}")"""
+    Unstack(r"params/layer_(?P<i>\\d+)/(?P<name>.*)", "params/layers/{name}")"""
 
     target: str
     source: str
@@ -102,8 +104,15 @@ class _LeafRead:
     prng_impl: Any = None
 
 
-def restore(step, target: Any, *, include: Sequence[str] | None = None, cast: Cast = Cast.EXACT,
-            rules: Sequence[Rule] = (), budget_bytes: int | None = None) -> tuple[Any, RestoreStats]:
+def restore(
+    step,
+    target: Any,
+    *,
+    include: Sequence[str] | None = None,
+    cast: Cast = Cast.EXACT,
+    rules: Sequence[Rule] = (),
+    budget_bytes: int | None = None,
+) -> tuple[Any, RestoreStats]:
     t0 = time.perf_counter()
     read0 = _bytes_read()
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -120,15 +129,18 @@ def restore(step, target: Any, *, include: Sequence[str] | None = None, cast: Ca
             problems.append(str(e))
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise CheckpointTargetError(f"cannot restore step {step.step} from {step.dir} onto this target: "
-                                    + "; ".join(problems[:5]) + more)
+        raise CheckpointTargetError(
+            f"cannot restore step {step.step} from {step.dir} onto this target: " + "; ".join(problems[:5]) + more
+        )
     broken = step.check_files()
     if broken:
         raise CheckpointCorruptError(f"checkpoint step {step.step} in {step.dir} is damaged: " + "; ".join(broken[:5]))
     values, needed = _read_all(step, [r for r in reads if r is not None], budget_bytes)
     it = iter(values)
     out = [leaf if r is None else next(it) for (_, leaf), r in zip(flat, reads)]
-    stats = RestoreStats(step.step, time.perf_counter() - t0, len(values), needed, _bytes_read() - read0, dict(step.meta))
+    stats = RestoreStats(
+        step.step, time.perf_counter() - t0, len(values), needed, _bytes_read() - read0, dict(step.meta)
+    )
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
 
@@ -150,7 +162,7 @@ def _plan_leaf(step, path: str, leaf: Any, sharding, rules: Sequence[Rule], cast
         axis = rule.axis % max(len(shape), 1)
         srcs = [_source(step, rule.source.format(i=i, **groups), path) for i in range(shape[axis])]
         for s in srcs:
-            _check_shape(path, shape[:axis] + shape[axis + 1:], s.shape, s)
+            _check_shape(path, shape[:axis] + shape[axis + 1 :], s.shape, s)
         read = _LeafRead(path, shape, dtype, sharding, srcs, "stack", axis=axis)
     else:
         if "i" not in groups:
@@ -158,9 +170,11 @@ def _plan_leaf(step, path: str, leaf: Any, sharding, rules: Sequence[Rule], cast
         src = _source(step, rule.source.format(**groups), path)
         axis = rule.axis % max(len(src.shape), 1)
         index = int(groups["i"])
-        _check_shape(path, shape, src.shape[:axis] + src.shape[axis + 1:], src)
+        _check_shape(path, shape, src.shape[:axis] + src.shape[axis + 1 :], src)
         if index >= src.shape[axis]:
-            raise CheckpointTargetError(f"leaf {path}: index {index} is past the {src.shape[axis]} layers of {src.path}")
+            raise CheckpointTargetError(
+                f"leaf {path}: index {index} is past the {src.shape[axis]} layers of {src.path}"
+            )
         read = _LeafRead(path, shape, dtype, sharding, [src], "unstack", axis=axis, index=index)
     for s in read.sources:
         _check_dtype(path, dtype, s, cast)
@@ -175,22 +189,29 @@ def _source(step, source_path: str, target_path: str) -> LeafInfo:
     via = f" (mapped from {target_path})" if source_path != target_path else ""
     raise CheckpointTargetError(
         f"leaf {source_path}{via} is not in the checkpoint; nearest saved leaves: {near or sorted(step.leaves)[:3]}. "
-        "Restore a subset with include=..., or map renamed or restacked leaves with rules=[Rename|Stack|Unstack]")
+        "Restore a subset with include=..., or map renamed or restacked leaves with rules=[Rename|Stack|Unstack]"
+    )
 
 
 def _check_shape(path: str, want: tuple, have: tuple, src: LeafInfo) -> None:
     if tuple(want) != tuple(have):
-        raise CheckpointTargetError(f"leaf {path}: the target asks for shape {list(want)} but {src.path} was saved with shape {list(have)}")
+        raise CheckpointTargetError(
+            f"leaf {path}: the target asks for shape {list(want)} but {src.path} was saved with shape {list(have)}"
+        )
 
 
 def _check_dtype(path: str, want: np.dtype, src: LeafInfo, cast: Cast) -> None:
     have = np.dtype(src.dtype)
     if want == have:
         return
-    kind = lambda d: "float" if jax.dtypes.issubdtype(d, np.floating) else "int" if jax.dtypes.issubdtype(d, np.integer) else d.name
+    kind = lambda d: (
+        "float" if jax.dtypes.issubdtype(d, np.floating) else "int" if jax.dtypes.issubdtype(d, np.integer) else d.name
+    )
     if kind(want) != kind(have):
-        raise CheckpointTargetError(f"leaf {path}: saved as {have}, the target asks for {want}; a cast between "
-                                    f"{kind(have)} and {kind(want)} is never done on restore: fix the target's dtype")
+        raise CheckpointTargetError(
+            f"leaf {path}: saved as {have}, the target asks for {want}; a cast between "
+            f"{kind(have)} and {kind(want)} is never done on restore: fix the target's dtype"
+        )
     lossless = bool(np.can_cast(have, want, casting="safe"))
     if cast is Cast.LOSSY or (cast is Cast.WIDEN and lossless):
         return
@@ -220,9 +241,9 @@ def _start(step, read: _LeafRead, key: tuple) -> tuple[Callable[[], np.ndarray],
     if read.mode == "leaf":
         return step.open(src0.path)[box].read().result, nbytes
     if read.mode == "unstack":
-        index = box[:read.axis] + (read.index,) + box[read.axis:]
+        index = box[: read.axis] + (read.index,) + box[read.axis :]
         return step.open(src0.path)[index].read().result, nbytes
-    rest = box[:read.axis] + box[read.axis + 1:]
+    rest = box[: read.axis] + box[read.axis + 1 :]
     layers = range(*box[read.axis].indices(len(read.sources))[:2])
     futures = [step.open(read.sources[i].path)[rest].read() for i in layers]
     return (lambda: np.stack([f.result() for f in futures], axis=read.axis)), nbytes

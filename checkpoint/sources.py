@@ -3,6 +3,7 @@
 A step exposes its leaves (slash path -> shape, dtype, inner chunk shape), its metadata, and an
 open TensorStore per leaf; the restore and verify code above it never asks which format it reads.
 """
+
 from __future__ import annotations
 
 import ast
@@ -51,8 +52,14 @@ class RemeshStep:
         self.dir, self.step = step_dir, step
         self.manifest = layout.read_manifest(step_dir)
         self.leaves = {
-            l["path"]: LeafInfo(l["path"], tuple(l["shape"]), _dtype(l["dtype"]), tuple(l["chunk_shape"]),
-                                os.path.join(layout.ARRAYS, l["array"]), l.get("sharding"))
+            l["path"]: LeafInfo(
+                l["path"],
+                tuple(l["shape"]),
+                _dtype(l["dtype"]),
+                tuple(l["chunk_shape"]),
+                os.path.join(layout.ARRAYS, l["array"]),
+                l.get("sharding"),
+            )
             for l in self.manifest["leaves"]
         }
         self._arrays = {l["path"]: l for l in self.manifest["leaves"]}
@@ -87,9 +94,15 @@ class RemeshStep:
     def open(self, path: str):
         if path not in self._opened:
             entry = self._arrays[path]
-            self._opened[path] = ts.open({
-                "driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.dir, layout.ARRAYS, entry["array"])},
-                "open": True}, context=self._ctx, read=True).result()
+            self._opened[path] = ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": {"driver": "file", "path": os.path.join(self.dir, layout.ARRAYS, entry["array"])},
+                    "open": True,
+                },
+                context=self._ctx,
+                read=True,
+            ).result()
         return self._opened[path]
 
     def shard_boxes(self, path: str) -> list[layout.Box]:
@@ -118,7 +131,11 @@ class OrbaxStep:
         self._driver = "zarr3" if doc.get("use_zarr3") else "zarr"
         self._names: dict[str, str] = {}
         for key, entry in doc["tree_metadata"].items():
-            keys = [str(k["key"]) for k in entry["key_metadata"]] if "key_metadata" in entry else list(ast.literal_eval(key))
+            keys = (
+                [str(k["key"]) for k in entry["key_metadata"]]
+                if "key_metadata" in entry
+                else list(ast.literal_eval(key))
+            )
             if entry.get("value_metadata", {}).get("skip_deserialize"):
                 continue
             self._names["/".join(keys)] = ".".join(keys)
@@ -130,8 +147,13 @@ class OrbaxStep:
         for p in self._names:
             arr = self.open(p)
             chunk = arr.chunk_layout.read_chunk.shape
-            self.leaves[p] = LeafInfo(p, tuple(arr.shape), arr.dtype.numpy_dtype,
-                                      tuple(chunk) if chunk is not None else tuple(arr.shape), self._names[p])
+            self.leaves[p] = LeafInfo(
+                p,
+                tuple(arr.shape),
+                arr.dtype.numpy_dtype,
+                tuple(chunk) if chunk is not None else tuple(arr.shape),
+                self._names[p],
+            )
 
     def check_files(self) -> list[str]:
         return []  # OCDBT checks its own manifests when opened; data has no checksums
@@ -143,8 +165,9 @@ class OrbaxStep:
                 kv = {"driver": "ocdbt", "base": f"file://{self.dir}", "path": name}
             else:
                 kv = {"driver": "file", "path": os.path.join(self.dir, name)}
-            self._opened[path] = ts.open({"driver": self._driver, "kvstore": kv, "open": True},
-                                         context=self._ctx, read=True).result()
+            self._opened[path] = ts.open(
+                {"driver": self._driver, "kvstore": kv, "open": True}, context=self._ctx, read=True
+            ).result()
         return self._opened[path]
 
     def shard_boxes(self, path: str) -> list[layout.Box]:
@@ -162,12 +185,14 @@ def open_step(step_dir: str, step: int):
     if not items:
         raise CheckpointFormatError(
             f"{step_dir} is neither a remesh checkpoint ({layout.MANIFEST}) nor an Orbax checkpoint "
-            f"({ORBAX_METADATA} in it or in one item directory); it contains {sorted(os.listdir(step_dir))[:8]}")
+            f"({ORBAX_METADATA} in it or in one item directory); it contains {sorted(os.listdir(step_dir))[:8]}"
+        )
     item = "state" if "state" in items else "default" if "default" in items else items[0] if len(items) == 1 else None
     if item is None:
         raise CheckpointFormatError(
             f"the Orbax step {step_dir} has several array items {items}; remesh restores an item named "
-            "'state' or 'default', or the only one. Rename the item directory you want to 'state'")
+            "'state' or 'default', or the only one. Rename the item directory you want to 'state'"
+        )
     return OrbaxStep(os.path.join(step_dir, item), step, meta=_orbax_json_meta(step_dir))
 
 
@@ -201,7 +226,8 @@ def corrupt_error(step, info: LeafInfo, exc: BaseException) -> CheckpointCorrupt
         where += f", inner chunk {entry.group(1)} of {entry.group(2)}"
     return CheckpointCorruptError(
         f"checkpoint step {step.step} in {step.dir}: leaf {info.path}{where} failed its checksum ({text}). "
-        "Restore an earlier step: `remesh ckpt verify` says which verify")
+        "Restore an earlier step: `remesh ckpt verify` says which verify"
+    )
 
 
 def _dtype(name: str) -> np.dtype:
@@ -212,4 +238,6 @@ def _grid(shape: tuple[int, ...], shard: tuple[int, ...]) -> list[layout.Box]:
     if not shape:
         return [()]
     ranges = [range(0, d, s) for d, s in zip(shape, shard)]
-    return [tuple(slice(o, min(o + s, d)) for o, s, d in zip(origin, shard, shape)) for origin in itertools.product(*ranges)]
+    return [
+        tuple(slice(o, min(o + s, d)) for o, s, d in zip(origin, shard, shape)) for origin in itertools.product(*ranges)
+    ]

@@ -4,6 +4,7 @@ A store is a directory of steps. remesh writes its own format (`layout.py`); ste
 Orbax (a `CheckpointManager` directory, or a single `StandardCheckpointer` directory, read as step
 0) restore through the same `restore`, so a job can resume from them and go on in remesh's format.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,8 @@ import os
 import shutil
 import time
 import uuid
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 
@@ -30,7 +32,7 @@ class StoreConfig:
     chunk_bytes: int = 4 << 20  # largest inner chunk; smaller reads less extra on a resharded restore
     commit_timeout_s: float = 600.0  # how long process 0 waits for the others' shards
 
-    def create(self, path: str | os.PathLike) -> "Store":
+    def create(self, path: str | os.PathLike) -> Store:
         return Store(path, config=self)
 
 
@@ -46,12 +48,12 @@ class VerifyReport:
 
 class Store:
     """Example:
-        >>> store = Store("/ckpt")
-        >>> store.save(100, state, plan=plan, meta={"data_position": 100})   # returns after the host copy
-        >>> store.wait()
-        >>> target = plan.abstract_state(...)   # ShapeDtypeStructs carrying the new shardings
-        >>> state = store.restore(target=target)
-        >>> params = store.restore(target=target, include=["params/*"])["params"]
+    >>> store = Store("/ckpt")
+    >>> store.save(100, state, plan=plan, meta={"data_position": 100})   # returns after the host copy
+    >>> store.wait()
+    >>> target = plan.abstract_state(...)   # ShapeDtypeStructs carrying the new shardings
+    >>> state = store.restore(target=target)
+    >>> params = store.restore(target=target, include=["params/*"])["params"]
     """
 
     def __init__(self, path: str | os.PathLike, *, config: StoreConfig = StoreConfig()):
@@ -72,8 +74,16 @@ class Store:
         os.makedirs(self.path, exist_ok=True)
         leaves = writer.snapshot(state, self.config.chunk_bytes)
         plan_doc = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan) if plan is not None else None
-        job = writer.Job(self.path, int(step), leaves, plan_doc, dict(meta or {}), self.config.codec,
-                         self._sequence, self._group_nonce())
+        job = writer.Job(
+            self.path,
+            int(step),
+            leaves,
+            plan_doc,
+            dict(meta or {}),
+            self.config.codec,
+            self._sequence,
+            self._group_nonce(),
+        )
         self._sequence += 1
         self._writer.start(job, background=self.config.async_save)
 
@@ -104,7 +114,7 @@ class Store:
     def _after_commit(self, step: int) -> None:
         """Process 0, after each commit: retention, and leftovers of crashed attempts."""
         committed = [s for s in self.steps() if os.path.exists(os.path.join(self.path, str(s), layout.MANIFEST))]
-        keep = set(committed if self.config.keep_last is None else committed[-self.config.keep_last:])
+        keep = set(committed if self.config.keep_last is None else committed[-self.config.keep_last :])
         if self.config.keep_every:
             keep |= {s for s in committed if s % self.config.keep_every == 0}
         for s in committed:
@@ -122,8 +132,11 @@ class Store:
             return [0]
         if not os.path.isdir(self.path):
             return []
-        return sorted(int(n) for n in os.listdir(self.path)
-                      if layout.STEP_DIR.match(n) and os.path.isdir(os.path.join(self.path, n)))
+        return sorted(
+            int(n)
+            for n in os.listdir(self.path)
+            if layout.STEP_DIR.match(n) and os.path.isdir(os.path.join(self.path, n))
+        )
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -139,14 +152,33 @@ class Store:
         global shape, dtype and saved sharding, without reading any array data."""
         src = self.open_step(step)
         return {
-            "kind": src.kind, "step": src.step, "plan": src.plan, "meta": src.meta, "dir": src.dir,
-            "leaves": [{"path": l.path, "shape": list(l.shape), "dtype": l.dtype.name, "chunk_shape": list(l.chunk_shape),
-                        "sharding": l.saved_sharding} for l in src.leaves.values()],
+            "kind": src.kind,
+            "step": src.step,
+            "plan": src.plan,
+            "meta": src.meta,
+            "dir": src.dir,
+            "leaves": [
+                {
+                    "path": l.path,
+                    "shape": list(l.shape),
+                    "dtype": l.dtype.name,
+                    "chunk_shape": list(l.chunk_shape),
+                    "sharding": l.saved_sharding,
+                }
+                for l in src.leaves.values()
+            ],
             "files": getattr(src, "manifest", {}).get("files", {}),
         }
 
-    def restore(self, step: int | None = None, *, target: Any, include: Sequence[str] | None = None,
-                cast: Cast = Cast.EXACT, rules: Sequence[Rule] = ()) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        target: Any,
+        include: Sequence[str] | None = None,
+        cast: Cast = Cast.EXACT,
+        rules: Sequence[Rule] = (),
+    ) -> Any:
         """Restore onto `target`, a pytree of jax.ShapeDtypeStruct (or arrays) carrying the new
         shardings; each process reads only the boxes its devices hold. A leaf without a sharding
         is restored whole onto this process's first device.
@@ -176,8 +208,11 @@ class Store:
                 try:
                     checked += arr[box].read().result().nbytes
                 except ValueError as e:
-                    problems.append(str(sources.corrupt_error(src, info, e)) if sources.is_data_loss(e)
-                                    else f"leaf {path}: could not be read: {e}")
+                    problems.append(
+                        str(sources.corrupt_error(src, info, e))
+                        if sources.is_data_loss(e)
+                        else f"leaf {path}: could not be read: {e}"
+                    )
         return VerifyReport(src.step, src.kind, not problems, problems, checked, time.perf_counter() - t)
 
     def quarantine(self, step: int) -> str:
@@ -202,7 +237,9 @@ class Store:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.path}")
             return steps[-1]
         if step not in steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.path}; committed steps: {steps}")
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for step {step} in {self.path}; committed steps: {steps}"
+            )
         return step
 
 

@@ -1,6 +1,7 @@
 """A Llama-style decoder train step for the partitioner's tests and benchmarks: RMSNorm, rotary
 position embeddings, grouped-query attention (fewer key/value heads than query heads) and a SwiGLU
 MLP, AdamW. Abstract arguments only: `llama(...)` returns `(step, (state, batch))`."""
+
 from __future__ import annotations
 
 import jax
@@ -15,10 +16,23 @@ def llama(d=4096, heads=32, kv_heads=8, ff=14336, vocab=32000, layers=2, batch=8
     def init():
         z = jnp.zeros
         params = {
-            "embed": z((vocab, d)), "norm": z((d,)), "lm_head": z((d, vocab)),
-            "layers": [{"attn_norm": z((d,)), "wq": z((d, heads * dh)), "wk": z((d, kv_heads * dh)),
-                        "wv": z((d, kv_heads * dh)), "wo": z((heads * dh, d)), "mlp_norm": z((d,)),
-                        "w_gate": z((d, ff)), "w_up": z((d, ff)), "w_down": z((ff, d))} for _ in range(layers)],
+            "embed": z((vocab, d)),
+            "norm": z((d,)),
+            "lm_head": z((d, vocab)),
+            "layers": [
+                {
+                    "attn_norm": z((d,)),
+                    "wq": z((d, heads * dh)),
+                    "wk": z((d, kv_heads * dh)),
+                    "wv": z((d, kv_heads * dh)),
+                    "wo": z((heads * dh, d)),
+                    "mlp_norm": z((d,)),
+                    "w_gate": z((d, ff)),
+                    "w_up": z((d, ff)),
+                    "w_down": z((ff, d)),
+                }
+                for _ in range(layers)
+            ],
         }
         return {"params": params, "opt": opt.init(params)}
 

@@ -1,6 +1,7 @@
 """A mixture-of-experts decoder (GShard/Switch style) written as plain single-device JAX: attention,
 then a top-1 routed expert MLP whose experts are stacked weights [experts, d, f], with a capacity
 per group of tokens; AdamW train step. What the partitioner plans for expert parallelism."""
+
 from __future__ import annotations
 
 import jax
@@ -18,10 +19,19 @@ def moe(d=2048, heads=16, experts=8, ff=8192, vocab=32000, layers=2, batch=8, se
     z = jnp.zeros
 
     def init():
-        layer = lambda: {"ln1": {"scale": z((d,)), "bias": z((d,))}, "ln2": {"scale": z((d,)), "bias": z((d,))},
-                         "attn": {"wq": z((d, d)), "wk": z((d, d)), "wv": z((d, d)), "wo": z((d, d))},
-                         "router": z((d, experts)), "w_in": z((experts, d, ff)), "w_out": z((experts, ff, d))}
-        params = {"wte": z((vocab, d)), "layers": [layer() for _ in range(layers)], "ln_f": {"scale": z((d,)), "bias": z((d,))}}
+        layer = lambda: {
+            "ln1": {"scale": z((d,)), "bias": z((d,))},
+            "ln2": {"scale": z((d,)), "bias": z((d,))},
+            "attn": {"wq": z((d, d)), "wk": z((d, d)), "wv": z((d, d)), "wo": z((d, d))},
+            "router": z((d, experts)),
+            "w_in": z((experts, d, ff)),
+            "w_out": z((experts, ff, d)),
+        }
+        params = {
+            "wte": z((vocab, d)),
+            "layers": [layer() for _ in range(layers)],
+            "ln_f": {"scale": z((d,)), "bias": z((d,))},
+        }
         return {"params": params, "opt": opt.init(params)}
 
     def experts_mlp(x, p):
@@ -30,7 +40,9 @@ def moe(d=2048, heads=16, experts=8, ff=8192, vocab=32000, layers=2, batch=8, se
         probs = jax.nn.softmax(x @ p["router"], axis=-1)  # [g, s, e]
         choice = jax.nn.one_hot(jnp.argmax(probs, axis=-1), experts, dtype=x.dtype)
         position = jnp.cumsum(choice, axis=1) * choice - 1.0  # place in its expert's queue
-        dispatch = jax.nn.one_hot(position.astype(jnp.int32), capacity, dtype=x.dtype) * choice[..., None]  # [g, s, e, c]
+        dispatch = (
+            jax.nn.one_hot(position.astype(jnp.int32), capacity, dtype=x.dtype) * choice[..., None]
+        )  # [g, s, e, c]
         combine = dispatch * jnp.max(probs, axis=-1)[..., None, None]
         xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)
         h = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", xe, p["w_in"]))

@@ -1,5 +1,6 @@
 """A stack of residual MLP blocks (the MLP half of a transformer) with its AdamW train step, at
 any size, as abstract arguments: what the partitioner's tests and benchmarks plan."""
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -16,7 +17,7 @@ def residual_mlp(d, f, layers, tokens):
     def loss(params, x):
         for i in range(layers):
             x = x + jax.nn.gelu(x @ params[f"layer{i}"]["w1"]) @ params[f"layer{i}"]["w2"]
-        return jnp.mean(x ** 2)
+        return jnp.mean(x**2)
 
     def step(state, x):
         value, grads = jax.value_and_grad(loss)(state["params"], x)

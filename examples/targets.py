@@ -1,5 +1,6 @@
 """Named planning targets, `name -> (step, args)` with abstract args, shared by the partitioner's
 golden tests and benchmarks so every figure and golden file names the same model."""
+
 from __future__ import annotations
 
 
@@ -7,8 +8,11 @@ def gpt(d, heads, ff, vocab, seq, layers, batch, scan=False):
     from examples.gpt.model import GPTConfig, make_program
     from orchestrator import check_program
 
-    program = make_program(GPTConfig(vocab=vocab, seq_len=seq, d_model=d, n_heads=heads, n_layers=layers, d_ff=ff, dropout=0.0,
-                                     scan_layers=scan))
+    program = make_program(
+        GPTConfig(
+            vocab=vocab, seq_len=seq, d_model=d, n_heads=heads, n_layers=layers, d_ff=ff, dropout=0.0, scan_layers=scan
+        )
+    )
     return program.step, check_program(program, batch)
 
 

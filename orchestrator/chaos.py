@@ -1,11 +1,12 @@
 """Fault injection for tests and the demo: `--chaos lose@40,add@80,lose-in-save@50:0`.
 
-    lose@S[:H]          after step S is reported, kill host H's node (default: the last host)
-    lose-in-save@S[:H]  host H hangs instead of saving checkpoint S; its node is killed mid-save
-    add@S               after step S is reported, add one host to the cluster
-    slow@S[:H]          from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
-                        a straggler (works on any cluster: nothing is killed)
+lose@S[:H]          after step S is reported, kill host H's node (default: the last host)
+lose-in-save@S[:H]  host H hangs instead of saving checkpoint S; its node is killed mid-save
+add@S               after step S is reported, add one host to the cluster
+slow@S[:H]          from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
+                    a straggler (works on any cluster: nothing is killed)
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """`remesh ckpt ls|inspect|verify PATH`: what is stored, under which plan, whether it is intact,
 and what a restore onto a given device count would read."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,9 @@ def run(args) -> int:
 
     store = Store(args.path)
     if not store.steps():
-        raise FileNotFoundError(f"no committed checkpoint in {store.path}: expected step directories (remesh or Orbax) there")
+        raise FileNotFoundError(
+            f"no committed checkpoint in {store.path}: expected step directories (remesh or Orbax) there"
+        )
     return {"ls": _ls, "inspect": _inspect, "verify": _verify}[args.action](store, args)
 
 
@@ -22,24 +25,38 @@ def _ls(store, args) -> int:
         m = store.metadata(step)
         size = _size(m)
         written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(m["dir"])))
-        print(f"{step:>8}  {m['kind']:<7} {_human(size):>10}  {len(m['leaves']):>6}  {_mesh(m):<24} "
-              f"{m['meta'].get('data_position', '-')!s:>13}  {written}")
+        print(
+            f"{step:>8}  {m['kind']:<7} {_human(size):>10}  {len(m['leaves']):>6}  {_mesh(m):<24} "
+            f"{m['meta'].get('data_position', '-')!s:>13}  {written}"
+        )
     return 0
 
 
 def _inspect(store, args) -> int:
     m = store.metadata(args.step)
-    doc = {"step": m["step"], "format": m["kind"], "dir": m["dir"], "bytes": _size(m), "saved_under": _mesh(m),
-           "meta": m["meta"], "leaves": m["leaves"]}
+    doc = {
+        "step": m["step"],
+        "format": m["kind"],
+        "dir": m["dir"],
+        "bytes": _size(m),
+        "saved_under": _mesh(m),
+        "meta": m["meta"],
+        "leaves": m["leaves"],
+    }
     if args.devices:
         doc["restore"] = _restore_estimate(store, m, args)
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
-    print(f"step {m['step']} ({m['kind']} format) in {m['dir']}: {_human(doc['bytes'])}, saved under {doc['saved_under']}")
+    print(
+        f"step {m['step']} ({m['kind']} format) in {m['dir']}: {_human(doc['bytes'])}, saved under {doc['saved_under']}"
+    )
     print("meta: " + ", ".join(f"{k}={v}" for k, v in m["meta"].items() if k != "digest"))
     estimates = {e["path"]: e for e in doc.get("restore", {}).get("leaves", [])}
-    print(f"{'leaf':<36} {'shape':<16} {'dtype':<9} {'saved spec':<14} {'chunk':<14}" + ("  restore spec   needs/host  reads/host" if estimates else ""))
+    print(
+        f"{'leaf':<36} {'shape':<16} {'dtype':<9} {'saved spec':<14} {'chunk':<14}"
+        + ("  restore spec   needs/host  reads/host" if estimates else "")
+    )
     for leaf in m["leaves"]:
         saved = (leaf.get("sharding") or {}).get("spec")
         line = f"{leaf['path']:<36} {str(leaf['shape']):<16} {leaf['dtype']:<9} {str(saved if saved is not None else '-'):<14} {str(leaf['chunk_shape']):<14}"
@@ -49,8 +66,10 @@ def _inspect(store, args) -> int:
         print(line)
     if "restore" in doc:
         r = doc["restore"]
-        print(f"restore onto {args.devices} devices ({r['hosts']} hosts x {r['devices_per_host']}), {r['plan']}: each host needs "
-              f"at most {_human(r['bytes_needed'])} and reads {_human(r['bytes_read'])} (x{r['amplification']:.3f})")
+        print(
+            f"restore onto {args.devices} devices ({r['hosts']} hosts x {r['devices_per_host']}), {r['plan']}: each host needs "
+            f"at most {_human(r['bytes_needed'])} and reads {_human(r['bytes_read'])} (x{r['amplification']:.3f})"
+        )
     return 0
 
 
@@ -67,10 +86,23 @@ def _restore_estimate(store, m: dict, args) -> dict:
     targets = {p: t for p, t in targets.items() if p in src.leaves}
     rows = estimate(src.leaves, targets, per_host)
     needed, read = sum(r.bytes_needed for r in rows), sum(r.bytes_read for r in rows)
-    return {"plan": how, "hosts": args.devices // per_host, "devices_per_host": per_host, "bytes_needed": needed,
-            "bytes_read": read, "amplification": read / needed if needed else 1.0,
-            "leaves": [{"path": r.path, "spec": targets[r.path]["spec"], "bytes_needed": r.bytes_needed,
-                        "bytes_read": r.bytes_read} for r in rows]}
+    return {
+        "plan": how,
+        "hosts": args.devices // per_host,
+        "devices_per_host": per_host,
+        "bytes_needed": needed,
+        "bytes_read": read,
+        "amplification": read / needed if needed else 1.0,
+        "leaves": [
+            {
+                "path": r.path,
+                "spec": targets[r.path]["spec"],
+                "bytes_needed": r.bytes_needed,
+                "bytes_read": r.bytes_read,
+            }
+            for r in rows
+        ],
+    }
 
 
 def _planned_targets(m: dict, args):
@@ -97,7 +129,10 @@ def _planned_targets(m: dict, args):
 
     specs = plan.specs_like(state, argnum=0)
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
-    targets = {leaf_path(k): {"mesh": dict(plan.mesh), "spec": [list(e) if isinstance(e, tuple) else e for e in s]} for k, s in flat}
+    targets = {
+        leaf_path(k): {"mesh": dict(plan.mesh), "spec": [list(e) if isinstance(e, tuple) else e for e in s]}
+        for k, s in flat
+    }
     return targets, f"the partitioner's plan for {program_ref}, {plan.describe()}"
 
 
@@ -109,7 +144,9 @@ def _verify(store, args) -> int:
         rate = r.bytes_checked / r.seconds / 1e6 if r.seconds else 0.0
         status = "ok" if r.ok else "DAMAGED"
         note = " (Orbax stores no data checksums: read only)" if r.kind == "orbax" else ""
-        print(f"step {step:>8}  {status:<7}  {_human(r.bytes_checked)} checked in {r.seconds:.2f} s ({rate:,.0f} MB/s){note}")
+        print(
+            f"step {step:>8}  {status:<7}  {_human(r.bytes_checked)} checked in {r.seconds:.2f} s ({rate:,.0f} MB/s){note}"
+        )
         for p in r.problems:
             print(f"    {p}")
         bad += not r.ok
@@ -128,7 +165,7 @@ def _mesh(m: dict) -> str:
     mesh = (m.get("plan") or {}).get("mesh")  # a plan's JSON keeps axis order as [[name, size], ...]
     mesh = dict(mesh) if mesh else None
     if not mesh:
-        shardings = [l["sharding"]["mesh"] for l in m["leaves"] if (l.get("sharding") or {}).get("mesh")]
+        shardings = [leaf["sharding"]["mesh"] for leaf in m["leaves"] if (leaf.get("sharding") or {}).get("mesh")]
         mesh = shardings[0] if shardings else None
     return " x ".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
 

@@ -1,4 +1,5 @@
 """The `remesh` command line: run, submit, status, logs, stop, dashboard, plan, ckpt."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,26 +18,37 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-dir", help="override the job file's checkpoint.dir")
     run.add_argument("--hosts", type=int, help="emulated hosts to start with (default: hosts.max)")
     run.add_argument("--address", help="run on the Ray cluster at this address instead of an embedded one")
-    run.add_argument("--store", help="fleet store (SQLite) to record the job in (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)")
+    run.add_argument(
+        "--store", help="fleet store (SQLite) to record the job in (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
+    )
     run.add_argument("--no-store", action="store_true", help="record the job in no fleet store")
 
     submit = sub.add_parser("submit", help="submit a job to a running Ray cluster (Ray Jobs API)")
     submit.add_argument("job", help="job file (TOML)")
     submit.add_argument("--address", required=True, help="the Ray dashboard's URL, e.g. http://127.0.0.1:8265")
-    submit.add_argument("--working-dir", help="upload this directory as the job's working directory "
-                                              "(default: none; the head node must see this directory)")
-    submit.add_argument("--python", default=sys.executable,
-                        help="the head node's Python with remesh installed (default: this one)")
+    submit.add_argument(
+        "--working-dir",
+        help="upload this directory as the job's working directory "
+        "(default: none; the head node must see this directory)",
+    )
+    submit.add_argument(
+        "--python", default=sys.executable, help="the head node's Python with remesh installed (default: this one)"
+    )
     submit.add_argument("--store", help="fleet store path as the head node sees it")
     submit.add_argument("--summary", help="where the head node writes the run summary (JSON)")
     submit.add_argument("--chaos", help="fault injection that needs no control of nodes: slow@S[:H] (a straggler)")
-    for name, text in (("status", "a submitted job's state (all remesh jobs without an id)"),
-                       ("logs", "a submitted job's output"), ("stop", "stop a submitted job")):
+    for name, text in (
+        ("status", "a submitted job's state (all remesh jobs without an id)"),
+        ("logs", "a submitted job's output"),
+        ("stop", "stop a submitted job"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("id", nargs="?" if name == "status" else None, help="submission id (from remesh submit)")
         p.add_argument("--address", required=True, help="the Ray dashboard's URL, e.g. http://127.0.0.1:8265")
         if name == "status":
-            p.add_argument("--store", help="fleet store to read progress from (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)")
+            p.add_argument(
+                "--store", help="fleet store to read progress from (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
+            )
             p.add_argument("--json", action="store_true")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
@@ -50,14 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("target")
     plan.add_argument("--devices", type=int, required=True)
     plan.add_argument("--hardware", default="h100")
-    plan.add_argument("--level", default="fast", choices=("fast", "thorough"),
-                      help="fast: tactics (dp, fsdp, Megatron, experts) on data x model meshes, model within a host; "
-                           "thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split")
+    plan.add_argument(
+        "--level",
+        default="fast",
+        choices=("fast", "thorough"),
+        help="fast: tactics (dp, fsdp, Megatron, experts) on data x model meshes, model within a host; "
+        "thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split",
+    )
     plan.add_argument("--json", action="store_true")
-    plan.add_argument("--planner", default="search", choices=("search", "shapes"),
-                      help="search: the factor-graph search (what jobs use); shapes: data parallel or FSDP from shapes alone")
-    plan.add_argument("--verify", action="store_true",
-                      help="also compile the plan (on N fake CPU devices unless N devices exist) and show what XLA does")
+    plan.add_argument(
+        "--planner",
+        default="search",
+        choices=("search", "shapes"),
+        help="search: the factor-graph search (what jobs use); shapes: data parallel or FSDP from shapes alone",
+    )
+    plan.add_argument(
+        "--verify",
+        action="store_true",
+        help="also compile the plan (on N fake CPU devices unless N devices exist) and show what XLA does",
+    )
 
     ckpt = sub.add_parser("ckpt", help="list, inspect and verify checkpoints (remesh or plain Orbax)")
     ckpt.add_argument("action", choices=("ls", "inspect", "verify"))
@@ -74,8 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"run": _run, "plan": _plan, "ckpt": _ckpt, "submit": _submit, "status": _status, "logs": _logs,
-                "stop": _stop, "dashboard": _dashboard}[args.command](args)
+        return {
+            "run": _run,
+            "plan": _plan,
+            "ckpt": _ckpt,
+            "submit": _submit,
+            "status": _status,
+            "logs": _logs,
+            "stop": _stop,
+            "dashboard": _dashboard,
+        }[args.command](args)
     except (ValueError, KeyError, FileNotFoundError, MemoryError) as e:
         # Every error a user can cause is one of these, with a message that says how to fix it.
         print(f"remesh {args.command}: error: {e}", file=sys.stderr)
@@ -102,8 +133,17 @@ def _run(args) -> int:
 def _submit(args) -> int:
     from .submit import SubmitConfig, submit
 
-    sid = submit(args.job, SubmitConfig(address=args.address, python=args.python, working_dir=args.working_dir,
-                                        store=args.store, summary=args.summary), chaos=args.chaos)
+    sid = submit(
+        args.job,
+        SubmitConfig(
+            address=args.address,
+            python=args.python,
+            working_dir=args.working_dir,
+            store=args.store,
+            summary=args.summary,
+        ),
+        chaos=args.chaos,
+    )
     print(sid)
     return 0
 
@@ -143,8 +183,10 @@ def _dashboard(args) -> int:
 
     server = make_server(DashboardConfig(host=args.host, port=args.port, store=FleetStoreConfig(path=args.store or "")))
     host, port = server.server_address[:2]
-    print(f"remesh dashboard on http://{host}:{port}/ (store {server.RequestHandlerClass.store.path}); Ctrl-C stops it",
-          flush=True)
+    print(
+        f"remesh dashboard on http://{host}:{port}/ (store {server.RequestHandlerClass.store.path}); Ctrl-C stops it",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -154,25 +196,33 @@ def _dashboard(args) -> int:
 
 def _print_summary(summary, path) -> None:
     d = summary.to_dict()
-    losses = [l for l in d["losses"] if l is not None]
-    print(f"\n{d['job']}: {d['state']} after {d['steps_completed']}/{d['steps']} steps in {d['wall_seconds']:.1f} s"
-          + (f" ({d['reason']})" if d["reason"] else ""))
+    losses = [leaf for leaf in d["losses"] if leaf is not None]
+    print(
+        f"\n{d['job']}: {d['state']} after {d['steps_completed']}/{d['steps']} steps in {d['wall_seconds']:.1f} s"
+        + (f" ({d['reason']})" if d["reason"] else "")
+    )
     if losses:
         print(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     for s in d["segments"]:
         mesh = " x ".join(f"{k}={v}" for k, v in s["mesh"].items())
-        print(f"  segment: steps {s['first_step']}-{s['last_step']} on {s['hosts']} hosts, {s['devices']} devices, mesh {mesh}")
+        print(
+            f"  segment: steps {s['first_step']}-{s['last_step']} on {s['hosts']} hosts, {s['devices']} devices, mesh {mesh}"
+        )
     for r in d["recovery_seconds"]:
         print(f"  recovery after host loss: {r:.1f} s")
     t = d["throughput"]
     if t.get("steps_measured"):
-        print(f"  throughput: {t['tokens_per_second']:,.0f} tokens/s, step {t['step_seconds'] * 1e3:.1f} ms, "
-              f"MFU {t['mfu']:.2%} ({t['model_flops_per_step'] / 1e9:.2f} GFLOP a step, median of {t['steps_measured']} steps)")
+        print(
+            f"  throughput: {t['tokens_per_second']:,.0f} tokens/s, step {t['step_seconds'] * 1e3:.1f} ms, "
+            f"MFU {t['mfu']:.2%} ({t['model_flops_per_step'] / 1e9:.2f} GFLOP a step, median of {t['steps_measured']} steps)"
+        )
     g = d["goodput"]
     if g:
         parts = ", ".join(f"{k} {v:.1f} s" for k, v in g["badput_seconds"].items())
-        print(f"  goodput: {g['goodput_ratio']:.1%} ({g['useful_seconds']:.1f} s of useful steps in {g['wall_seconds']:.1f} s); "
-              f"badput: {parts}")
+        print(
+            f"  goodput: {g['goodput_ratio']:.1%} ({g['useful_seconds']:.1f} s of useful steps in {g['wall_seconds']:.1f} s); "
+            f"badput: {parts}"
+        )
     if path:
         print(f"  summary written to {path}")
 
@@ -182,7 +232,9 @@ def _plan(args) -> int:
 
     if args.verify and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Before jax is imported: lets a machine without N accelerators compile the plan on CPU.
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        )
     import partitioner
 
     sys.path.insert(0, os.getcwd())
@@ -197,8 +249,10 @@ def _plan(args) -> int:
         return 0
     print(p.describe())
     c = p.cost
-    print(f"  predicted step: {c.total_seconds * 1e3:.3f} ms (compute {c.compute_seconds * 1e3:.3f} ms, "
-          f"communication {c.communication_seconds * 1e3:.3f} ms); peak {c.peak_bytes_per_device / 2**20:.1f} MiB/device")
+    print(
+        f"  predicted step: {c.total_seconds * 1e3:.3f} ms (compute {c.compute_seconds * 1e3:.3f} ms, "
+        f"communication {c.communication_seconds * 1e3:.3f} ms); peak {c.peak_bytes_per_device / 2**20:.1f} MiB/device"
+    )
     for kind, n in c.collective_bytes.items():
         print(f"  {kind}: {n / 2**20:.2f} MiB per device")
     for n in p.notes:

@@ -10,6 +10,7 @@
 Charts are drawn in the browser by plotly.js, served from the `plotly` Python package, so the
 page needs nothing from the internet. The store is read on every request: the pages refresh.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,13 @@ def job_detail(store: FleetStore, name: str, points: int = STEP_POINTS) -> dict 
     if job is None:
         return None
     every = max(1, -(-store.last_step(name) // max(1, points)))
-    return {"job": job, "events": store.events(name), "steps": store.steps(name, every), "steps_every": every,
-            "badput_meaning": {k: BADPUT_MEANING[k] for k in BADPUT}}
+    return {
+        "job": job,
+        "events": store.events(name),
+        "steps": store.steps(name, every),
+        "steps_every": every,
+        "badput_meaning": {k: BADPUT_MEANING[k] for k in BADPUT},
+    }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -70,8 +76,9 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 points = int(query.get("points", [STEP_POINTS])[0])
             except ValueError:
-                return self._json({"error": f"points must be an integer, got {query['points'][0]!r}"},
-                                  HTTPStatus.BAD_REQUEST)
+                return self._json(
+                    {"error": f"points must be an integer, got {query['points'][0]!r}"}, HTTPStatus.BAD_REQUEST
+                )
             with self.lock:
                 detail = job_detail(self.store, name, points)
             if detail is None:

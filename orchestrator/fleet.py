@@ -6,6 +6,7 @@ job name, its latest state), `events` (host losses, resizes, restores, checkpoin
 plans), `steps` (one row per step per host: loss, step time, tokens/s, MFU). Structured columns
 that vary (mesh, plan notes, an event's details, the goodput breakdown) are JSON text.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,9 +61,25 @@ CREATE TABLE IF NOT EXISTS steps (
 CREATE INDEX IF NOT EXISTS steps_job ON steps (job, segment, step);
 """
 
-JOB_COLUMNS = ("name", "cluster", "state", "steps", "steps_completed", "mesh", "hosts", "devices",
-               "tokens_per_second", "mfu", "goodput_ratio", "goodput", "throughput", "segments", "reason",
-               "started_at", "updated_at")
+JOB_COLUMNS = (
+    "name",
+    "cluster",
+    "state",
+    "steps",
+    "steps_completed",
+    "mesh",
+    "hosts",
+    "devices",
+    "tokens_per_second",
+    "mfu",
+    "goodput_ratio",
+    "goodput",
+    "throughput",
+    "segments",
+    "reason",
+    "started_at",
+    "updated_at",
+)
 JSON_COLUMNS = {"mesh", "goodput", "throughput", "segments", "detail"}
 
 
@@ -76,7 +93,7 @@ class FleetStoreConfig:
     path: str = ""  # empty: default_path()
     busy_timeout_s: float = 30.0
 
-    def open(self) -> "FleetStore":
+    def open(self) -> FleetStore:
         return FleetStore(self.path or default_path(), self.busy_timeout_s)
 
 
@@ -113,7 +130,9 @@ class FleetStore:
             self._db.execute(
                 "INSERT INTO jobs (name, cluster, state, steps, started_at, updated_at) VALUES (?, ?, 'starting', ?, ?, ?) "
                 "ON CONFLICT(name) DO UPDATE SET cluster=excluded.cluster, state='starting', steps=excluded.steps, "
-                "reason='', updated_at=excluded.updated_at", (name, cluster, steps, now, now))
+                "reason='', updated_at=excluded.updated_at",
+                (name, cluster, steps, now, now),
+            )
 
     def update_job(self, name: str, **fields) -> None:
         unknown = set(fields) - set(JOB_COLUMNS)
@@ -129,15 +148,38 @@ class FleetStore:
         with self._db:
             self._db.executemany(
                 "INSERT INTO events (job, kind, step, at, seconds, detail) VALUES (?, ?, ?, ?, ?, ?)",
-                [(name, e["kind"], e.get("step"), e["at"], e.get("seconds", 0.0),
-                  json.dumps({k: v for k, v in e.items() if k not in ("kind", "step", "at", "seconds")}))
-                 for e in events])
+                [
+                    (
+                        name,
+                        e["kind"],
+                        e.get("step"),
+                        e["at"],
+                        e.get("seconds", 0.0),
+                        json.dumps({k: v for k, v in e.items() if k not in ("kind", "step", "at", "seconds")}),
+                    )
+                    for e in events
+                ],
+            )
             self._db.executemany(
                 "INSERT INTO steps (job, segment, host, step, at, loss, seconds, tokens_per_second, mfu, input_seconds, "
                 "wait_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(name, s["segment"], s["host"], s["step"], s["at"], s.get("loss"), s["seconds"],
-                  s["tokens_per_second"], s["mfu"], s.get("input_seconds") or 0.0, s.get("wait_seconds") or 0.0)
-                 for s in steps])
+                [
+                    (
+                        name,
+                        s["segment"],
+                        s["host"],
+                        s["step"],
+                        s["at"],
+                        s.get("loss"),
+                        s["seconds"],
+                        s["tokens_per_second"],
+                        s["mfu"],
+                        s.get("input_seconds") or 0.0,
+                        s.get("wait_seconds") or 0.0,
+                    )
+                    for s in steps
+                ],
+            )
 
     # -- reading -------------------------------------------------------------------------
     def jobs(self) -> list[dict]:
@@ -148,17 +190,25 @@ class FleetStore:
         return self._row(r) if r else None
 
     def events(self, name: str) -> list[dict]:
-        return [self._row(r) for r in self._db.execute(
-            "SELECT kind, step, at, seconds, detail FROM events WHERE job = ? ORDER BY at, id", (name,))]
+        return [
+            self._row(r)
+            for r in self._db.execute(
+                "SELECT kind, step, at, seconds, detail FROM events WHERE job = ? ORDER BY at, id", (name,)
+            )
+        ]
 
     def steps(self, name: str, every: int = 1) -> list[dict]:
         """Step rows of every host, time-ordered; `every` > 1 keeps steps divisible by it, and
         each segment's first and last (so a long job's charts stay light and no segment vanishes)."""
-        return [dict(r) for r in self._db.execute(
-            "SELECT segment, host, step, at, loss, seconds, tokens_per_second, mfu, input_seconds, wait_seconds FROM steps "
-            "WHERE job = ? AND (step % ? = 0 OR step IN (SELECT MIN(step) FROM steps WHERE job = ? GROUP BY segment "
-            "UNION SELECT MAX(step) FROM steps WHERE job = ? GROUP BY segment)) ORDER BY at, host",
-            (name, max(1, every), name, name))]
+        return [
+            dict(r)
+            for r in self._db.execute(
+                "SELECT segment, host, step, at, loss, seconds, tokens_per_second, mfu, input_seconds, wait_seconds FROM steps "
+                "WHERE job = ? AND (step % ? = 0 OR step IN (SELECT MIN(step) FROM steps WHERE job = ? GROUP BY segment "
+                "UNION SELECT MAX(step) FROM steps WHERE job = ? GROUP BY segment)) ORDER BY at, host",
+                (name, max(1, every), name, name),
+            )
+        ]
 
     def last_step(self, name: str) -> int:
         return self._db.execute("SELECT COALESCE(MAX(step), 0) FROM steps WHERE job = ?", (name,)).fetchone()[0]

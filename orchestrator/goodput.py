@@ -10,6 +10,7 @@ detected and the broken group torn down. So the parts partition the wall time by
 A step is useful the first time it completes; completing it again after a restore from an older
 checkpoint is progress lost to the failure (as Google's goodput measurement counts it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,7 @@ USEFUL = "useful"
 BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "lost")
 BADPUT_MEANING = {
     "startup": "spawning host actors, joining the jax.distributed group, loading the program, "
-               "initialising state, stopping a group",
+    "initialising state, stopping a group",
     "planning": "the partitioner's search (cached plans cost nothing)",
     "compile": "jax.jit lowering and XLA compilation of the step",
     "restore": "reading the checkpoint onto the new plan",
@@ -29,8 +30,14 @@ BADPUT_MEANING = {
 
 # What each host report counts as; steps are decided by the high-water mark.
 REPORT_CATEGORY = {
-    "group_start": "startup", "load": "startup", "init": "startup", "restore": "restore", "checkpoint_corrupt": "restore",
-    "compile": "compile", "checkpoint": "checkpoint", "checkpoint_flush": "checkpoint",
+    "group_start": "startup",
+    "load": "startup",
+    "init": "startup",
+    "restore": "restore",
+    "checkpoint_corrupt": "restore",
+    "compile": "compile",
+    "checkpoint": "checkpoint",
+    "checkpoint_flush": "checkpoint",
 }
 
 
@@ -84,13 +91,17 @@ class Throughput:
         self.tokens_per_second.append(report["tokens_per_second"])
         self.mfu.append(report["mfu"])
 
-    def last(self, n: int) -> "Throughput":
+    def last(self, n: int) -> Throughput:
         return Throughput(self.model_flops_per_step, self.step_seconds[-n:], self.tokens_per_second[-n:], self.mfu[-n:])
 
     def summary(self) -> dict:
         """Medians: the first step of a segment waits on lazy set-up and a save's step on the
         copy, so a mean would describe neither."""
         med = lambda xs: round(statistics.median(xs), 6) if xs else None
-        return {"steps_measured": len(self.step_seconds), "step_seconds": med(self.step_seconds),
-                "tokens_per_second": med(self.tokens_per_second), "mfu": med(self.mfu),
-                "model_flops_per_step": self.model_flops_per_step}
+        return {
+            "steps_measured": len(self.step_seconds),
+            "step_seconds": med(self.step_seconds),
+            "tokens_per_second": med(self.tokens_per_second),
+            "mfu": med(self.mfu),
+            "model_flops_per_step": self.model_flops_per_step,
+        }

@@ -19,12 +19,14 @@
 
 Unknown keys and wrong types are errors that name the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import tomllib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class JobFileError(ValueError):
@@ -58,14 +60,20 @@ class JobSpec:
     hardware: str = "cpu"
     planner: str = "fast"
 
-    def with_checkpoint_dir(self, path: str) -> "JobSpec":
+    def with_checkpoint_dir(self, path: str) -> JobSpec:
         return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))
 
 
 PLANNERS = ("fast", "thorough", "shapes")
 
 _SCHEMA: dict[str, Any] = {
-    "name": str, "program": str, "steps": int, "global_batch": int, "seed": (int, 0), "hardware": (str, "cpu"), "planner": (str, "fast"),
+    "name": str,
+    "program": str,
+    "steps": int,
+    "global_batch": int,
+    "seed": (int, 0),
+    "hardware": (str, "cpu"),
+    "planner": (str, "fast"),
     "hosts": {"min": int, "max": int, "devices_per_host": int},
     "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0)},
 }
@@ -89,8 +97,14 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
     ckpt = values["checkpoint"]
     ckpt["dir"] = os.path.normpath(os.path.join(base_dir, ckpt["dir"]))
     job = JobSpec(
-        name=values["name"], program=values["program"], steps=values["steps"],
-        global_batch=values["global_batch"], seed=values["seed"], hardware=values["hardware"], planner=values["planner"], hosts=hosts,
+        name=values["name"],
+        program=values["program"],
+        steps=values["steps"],
+        global_batch=values["global_batch"],
+        seed=values["seed"],
+        hardware=values["hardware"],
+        planner=values["planner"],
+        hosts=hosts,
         checkpoint=CheckpointSpec(**ckpt),
     )
     _check_values(job, source)
@@ -100,7 +114,9 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
 def _check(raw: Mapping[str, Any], schema: Mapping[str, Any], *, prefix: str, source: str) -> dict:
     unknown = sorted(set(raw) - set(schema))
     if unknown:
-        raise JobFileError(f"{source}: unknown key {prefix}{unknown[0]!s}; allowed keys here: {', '.join(prefix + k for k in schema)}")
+        raise JobFileError(
+            f"{source}: unknown key {prefix}{unknown[0]!s}; allowed keys here: {', '.join(prefix + k for k in schema)}"
+        )
     out = {}
     for key, kind in schema.items():
         name = prefix + key
@@ -129,12 +145,24 @@ def _check_values(job: JobSpec, source: str) -> None:
     def need(ok: bool, msg: str):
         if not ok:
             raise JobFileError(f"{source}: {msg}")
-    need(":" in job.program and all(job.program.split(":", 1)), f"key program must look like 'module:attribute', got {job.program!r}")
+
+    need(
+        ":" in job.program and all(job.program.split(":", 1)),
+        f"key program must look like 'module:attribute', got {job.program!r}",
+    )
     need(job.steps > 0, f"key steps must be positive, got {job.steps}")
     need(job.planner in PLANNERS, f"key planner must be one of {PLANNERS}, got {job.planner!r}")
     need(job.global_batch > 0, f"key global_batch must be positive, got {job.global_batch}")
-    need(1 <= job.hosts.min <= job.hosts.max, f"keys hosts.min and hosts.max need 1 <= min <= max, got min={job.hosts.min} max={job.hosts.max}")
-    need(job.hosts.devices_per_host > 0, f"key hosts.devices_per_host must be positive, got {job.hosts.devices_per_host}")
+    need(
+        1 <= job.hosts.min <= job.hosts.max,
+        f"keys hosts.min and hosts.max need 1 <= min <= max, got min={job.hosts.min} max={job.hosts.max}",
+    )
+    need(
+        job.hosts.devices_per_host > 0, f"key hosts.devices_per_host must be positive, got {job.hosts.devices_per_host}"
+    )
     need(job.checkpoint.every > 0, f"key checkpoint.every must be positive, got {job.checkpoint.every}")
     need(job.checkpoint.keep > 0, f"key checkpoint.keep must be positive, got {job.checkpoint.keep}")
-    need(job.checkpoint.keep_every >= 0, f"key checkpoint.keep_every must be 0 (none) or positive, got {job.checkpoint.keep_every}")
+    need(
+        job.checkpoint.keep_every >= 0,
+        f"key checkpoint.keep_every must be 0 (none) or positive, got {job.checkpoint.keep_every}",
+    )

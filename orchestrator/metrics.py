@@ -5,17 +5,24 @@ ones. Ray's metrics agent on each node serves them to Prometheus with the other 
 scrape configuration and Grafana dashboard in deploy/ read these names; a test checks they agree).
 Created on first use, never at import: a bare worker process has no Ray.
 """
+
 from __future__ import annotations
 
 # name -> (kind, description, tag keys)
 METRICS = {
     "remesh_step_seconds": ("gauge", "Wall time of the last training step on this host", ("job", "host")),
     "remesh_tokens_per_second": ("gauge", "Tokens per second of the last step (global batch)", ("job", "host")),
-    "remesh_mfu": ("gauge", "Model FLOPs utilisation of the last step: XLA-counted FLOPs over the devices' peak",
-                   ("job", "host")),
+    "remesh_mfu": (
+        "gauge",
+        "Model FLOPs utilisation of the last step: XLA-counted FLOPs over the devices' peak",
+        ("job", "host"),
+    ),
     "remesh_step": ("gauge", "Last training step completed", ("job", "host")),
-    "remesh_wait_seconds": ("gauge", "Time the last step waited at its sync point on this host (a straggler waits "
-                            "least: the others wait for it)", ("job", "host")),
+    "remesh_wait_seconds": (
+        "gauge",
+        "Time the last step waited at its sync point on this host (a straggler waits least: the others wait for it)",
+        ("job", "host"),
+    ),
     "remesh_input_seconds": ("gauge", "Time the last step's input took on this host", ("job", "host")),
     "remesh_loss": ("gauge", "Training loss of the last step", ("job",)),
     "remesh_goodput_ratio": ("gauge", "Share of the job's wall time spent in useful steps", ("job",)),
@@ -24,9 +31,14 @@ METRICS = {
     "remesh_host_losses_total": ("counter", "Hosts lost during the job", ("job",)),
 }
 # Of the per-host step metrics, what each is set from in a step report.
-STEP_FIELDS = {"remesh_step_seconds": "seconds", "remesh_tokens_per_second": "tokens_per_second",
-               "remesh_mfu": "mfu", "remesh_step": "step", "remesh_wait_seconds": "wait_seconds",
-               "remesh_input_seconds": "input_seconds"}
+STEP_FIELDS = {
+    "remesh_step_seconds": "seconds",
+    "remesh_tokens_per_second": "tokens_per_second",
+    "remesh_mfu": "mfu",
+    "remesh_step": "step",
+    "remesh_wait_seconds": "wait_seconds",
+    "remesh_input_seconds": "input_seconds",
+}
 
 
 class RayMetrics:

@@ -4,6 +4,7 @@
 machine); `FleetRecorder` buffers rows and writes them to the store at most once per
 `flush_interval_s`, so a job of fast steps does not hold the store's write lock for each one.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,8 +43,25 @@ class FleetRecorder(Recorder):
 
     def step(self, host: int, segment: int, report: dict, speaker: bool) -> None:
         """One host's step report; `speaker` when this host speaks for the group (the loss gauge)."""
-        self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in (
-            "step", "at", "loss", "seconds", "tokens_per_second", "mfu", "input_seconds", "wait_seconds")}})
+        self._steps.append(
+            {
+                "host": host,
+                "segment": segment,
+                **{
+                    k: report.get(k)
+                    for k in (
+                        "step",
+                        "at",
+                        "loss",
+                        "seconds",
+                        "tokens_per_second",
+                        "mfu",
+                        "input_seconds",
+                        "wait_seconds",
+                    )
+                },
+            }
+        )
         if speaker and self.metrics:
             self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
 

@@ -7,6 +7,7 @@ RAY_AUTH_TOKEN). `status` joins what Ray knows (the job's lifecycle) with what r
 (step, mesh, hosts, throughput, goodput) from the fleet store the job writes to, or, where that
 store is not reachable from here, from the job's latest progress line in its logs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,14 +42,17 @@ def client(address: str):
     from ray.job_submission import JobSubmissionClient
 
     if not re.match(r"^https?://", address):
-        raise SubmitError(f"--address must be the Ray dashboard's HTTP URL, like http://127.0.0.1:8265; got {address!r}")
+        raise SubmitError(
+            f"--address must be the Ray dashboard's HTTP URL, like http://127.0.0.1:8265; got {address!r}"
+        )
     try:
         return JobSubmissionClient(address)
     except AuthenticationError as e:
         raise SubmitError(f"the Ray cluster at {address} refused this client's token: {e}") from None
     except ConnectionError as e:
-        raise SubmitError(f"no Ray dashboard answers at {address} ({e}); is the head running, "
-                          "and is this its --dashboard-port?") from None
+        raise SubmitError(
+            f"no Ray dashboard answers at {address} ({e}); is the head running, and is this its --dashboard-port?"
+        ) from None
 
 
 def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> str:
@@ -59,14 +63,18 @@ def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> 
 
     job = load_job(job_path)
     if chaos and any(f.kind not in ANY_CLUSTER for f in parse_chaos(chaos)):
-        raise SubmitError(f"--chaos {chaos!r}: on a running cluster only {', '.join(ANY_CLUSTER)} faults apply; losing "
-                          "and adding hosts needs the embedded cluster (remesh run), or stop a node yourself")
+        raise SubmitError(
+            f"--chaos {chaos!r}: on a running cluster only {', '.join(ANY_CLUSTER)} faults apply; losing "
+            "and adding hosts needs the embedded cluster (remesh run), or stop a node yourself"
+        )
     runtime_env = {}
     if config.working_dir:
         wd = os.path.abspath(config.working_dir)
         rel = os.path.relpath(os.path.abspath(job_path), wd)
         if rel.startswith(".."):
-            raise SubmitError(f"the job file {job_path} must lie inside --working-dir {config.working_dir} to be uploaded with it")
+            raise SubmitError(
+                f"the job file {job_path} must lie inside --working-dir {config.working_dir} to be uploaded with it"
+            )
         runtime_env = {"working_dir": wd, "excludes": UPLOAD_EXCLUDES}
         cd, job_arg = "", rel
     else:
@@ -81,8 +89,11 @@ def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> 
         args += ["--chaos", chaos]
     submission_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
     return client(config.address).submit_job(
-        entrypoint=cd + shlex.join(args), submission_id=submission_id, runtime_env=runtime_env or None,
-        metadata={METADATA_KEY: job.name})
+        entrypoint=cd + shlex.join(args),
+        submission_id=submission_id,
+        runtime_env=runtime_env or None,
+        metadata={METADATA_KEY: job.name},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +126,11 @@ class JobStatus:
         return "  ".join(parts)
 
 
-PROGRESS = re.compile(r"^step\s+(?P<step>\d+)/(?P<steps>\d+)\s+loss\s+\S+\s+(?P<tps>[\d,]+) tok/s\s+MFU\s+(?P<mfu>[\d.]+)%"
-                      r"\s+mesh (?P<mesh>.+?)\s+hosts (?P<hosts>\d+)$", re.M)
+PROGRESS = re.compile(
+    r"^step\s+(?P<step>\d+)/(?P<steps>\d+)\s+loss\s+\S+\s+(?P<tps>[\d,]+) tok/s\s+MFU\s+(?P<mfu>[\d.]+)%"
+    r"\s+mesh (?P<mesh>.+?)\s+hosts (?P<hosts>\d+)$",
+    re.M,
+)
 
 
 def _job(c, submission_id: str, call: str):
@@ -125,8 +139,10 @@ def _job(c, submission_id: str, call: str):
         return getattr(c, call)(submission_id)
     except RuntimeError as e:
         if "404" in str(e) or "does not exist" in str(e):
-            raise SubmitError(f"no job {submission_id!r} on the cluster at {c.get_address()}; `remesh status "
-                              f"--address ...` lists the remesh jobs there") from None
+            raise SubmitError(
+                f"no job {submission_id!r} on the cluster at {c.get_address()}; `remesh status "
+                f"--address ...` lists the remesh jobs there"
+            ) from None
         raise
 
 
@@ -144,8 +160,11 @@ def list_jobs(address: str, *, store: str | None = None) -> list[JobStatus]:
     for info in c.list_jobs():
         name = (info.metadata or {}).get(METADATA_KEY)
         if name and info.submission_id:
-            out.append(JobStatus(info.submission_id, name, str(info.status.value), info.message or "",
-                                 _from_store(name, store) or {}))
+            out.append(
+                JobStatus(
+                    info.submission_id, name, str(info.status.value), info.message or "", _from_store(name, store) or {}
+                )
+            )
     return out
 
 
@@ -164,14 +183,19 @@ def _from_store(name: str, store: str | None) -> dict:
 
 def _from_logs(logs: str) -> dict:
     last = None
-    for last in PROGRESS.finditer(logs or ""):
+    for _last in PROGRESS.finditer(logs or ""):
         pass
     if last is None:
         return {}
     mesh = dict(kv.split("=") for kv in last["mesh"].split(" x "))
-    return {"steps_completed": int(last["step"]), "steps": int(last["steps"]), "hosts": int(last["hosts"]),
-            "mesh": {k: int(v) for k, v in mesh.items()}, "tokens_per_second": float(last["tps"].replace(",", "")),
-            "mfu": float(last["mfu"]) / 100}
+    return {
+        "steps_completed": int(last["step"]),
+        "steps": int(last["steps"]),
+        "hosts": int(last["hosts"]),
+        "mesh": {k: int(v) for k, v in mesh.items()},
+        "tokens_per_second": float(last["tps"].replace(",", "")),
+        "mfu": float(last["mfu"]) / 100,
+    }
 
 
 def logs(address: str, submission_id: str, *, follow: bool = False, out=sys.stdout) -> None:

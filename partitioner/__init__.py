@@ -8,15 +8,32 @@ Plans are data (`Plan.to_json`/`from_json`), computed against an abstract mesh a
 candidate priced as well; `plan_by_shapes` is the shapes-only baseline. `verify(plan, fn, *args)`
 compiles a plan and reports the collectives XLA inserted.
 """
+
+from .automap import LEVELS, TACTICS, Candidate, plan, search
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
 from .plan import Cost, Plan, PlanMismatchError
-from .automap import LEVELS, TACTICS, Candidate, plan, search
 from .search import PlanInputError, PlanMemoryError, plan_by_shapes
 from .verify import Collective, Verification, VerifyDevicesError, verify
 
 __all__ = [
-    "Cost", "Hardware", "Link", "PROFILES", "Plan", "PlanInputError", "PlanMemoryError",
-    "PlanMismatchError", "UnknownHardwareError", "plan", "plan_by_shapes", "profile", "search", "Candidate",
-    "LEVELS", "TACTICS",
-    "Collective", "Verification", "VerifyDevicesError", "verify",
+    "Cost",
+    "Hardware",
+    "Link",
+    "PROFILES",
+    "Plan",
+    "PlanInputError",
+    "PlanMemoryError",
+    "PlanMismatchError",
+    "UnknownHardwareError",
+    "plan",
+    "plan_by_shapes",
+    "profile",
+    "search",
+    "Candidate",
+    "LEVELS",
+    "TACTICS",
+    "Collective",
+    "Verification",
+    "VerifyDevicesError",
+    "verify",
 ]

@@ -29,6 +29,7 @@ Levels (Rhino's two):
               propagation, and its best answers are priced exactly.
 Optimizer state follows its parameter (same shape, same path below its container).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,8 @@ import functools
 import gc
 import math
 import time
-from typing import Any, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -62,8 +64,10 @@ class Candidate:
     def line(self) -> str:
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
         c = self.cost
-        return (f"{self.tactic:<14} {mesh:<18} {c.total_seconds * 1e3:9.3f} ms  (compute {c.compute_seconds * 1e3:.3f}, "
-                f"comm {c.communication_seconds * 1e3:.3f})  peak {c.peak_bytes_per_device / 2**30:.2f} GiB/device")
+        return (
+            f"{self.tactic:<14} {mesh:<18} {c.total_seconds * 1e3:9.3f} ms  (compute {c.compute_seconds * 1e3:.3f}, "
+            f"comm {c.communication_seconds * 1e3:.3f})  peak {c.peak_bytes_per_device / 2**30:.2f} GiB/device"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +90,11 @@ class _Inputs:
         leaves outside the batch, (value, each tail of its path, longest first)."""
         shape = lambda v: self.graph.values[v].shape
         below = [(v, (shape(v), keys[1:])) for v, keys in zip(self.ids, self.keys)]
-        tails = [(v, [(shape(v), keys[-n:]) for n in range(len(keys), 0, -1)])
-                 for v, keys, a in zip(self.ids, self.keys, self.argnum) if a not in self.batch_argnums]
+        tails = [
+            (v, [(shape(v), keys[-n:]) for n in range(len(keys), 0, -1)])
+            for v, keys, a in zip(self.ids, self.keys, self.argnum)
+            if a not in self.batch_argnums
+        ]
         return below, tails
 
 
@@ -95,8 +102,15 @@ LEVELS = ("fast", "thorough")
 TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "expert+megatron", "expert+megatron+fsdp", "exact")
 
 
-def plan(fn, *args, devices, hardware: str | Hardware = "h100", memory_limit: int | None = None, level: str = "fast",
-         batch_argnums: Sequence[int] | None = None) -> Plan:
+def plan(
+    fn,
+    *args,
+    devices,
+    hardware: str | Hardware = "h100",
+    memory_limit: int | None = None,
+    level: str = "fast",
+    batch_argnums: Sequence[int] | None = None,
+) -> Plan:
     """The best plan found for `fn(*args)` on `devices` (a count or a list of devices).
 
     Example:
@@ -106,7 +120,9 @@ def plan(fn, *args, devices, hardware: str | Hardware = "h100", memory_limit: in
     n = devices if isinstance(devices, int) else len(devices)
     if n < 1:
         raise PlanInputError(f"devices must be at least 1, got {n}")
-    return search(fn, *args, devices=n, hardware=hardware, memory_limit=memory_limit, level=level, batch_argnums=batch_argnums)[0]
+    return search(
+        fn, *args, devices=n, hardware=hardware, memory_limit=memory_limit, level=level, batch_argnums=batch_argnums
+    )[0]
 
 
 def search(fn, *args, **kwargs) -> tuple[Plan, list[Candidate]]:
@@ -124,9 +140,16 @@ def search(fn, *args, **kwargs) -> tuple[Plan, list[Candidate]]:
             gc.enable()
 
 
-def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_limit: int | None = None,
-           batch_argnums: Sequence[int] | None = None, level: str = "fast",
-           tactics: Collection[str] | None = None) -> tuple[Plan, list[Candidate]]:
+def _search(
+    fn,
+    *args,
+    devices: int,
+    hardware: str | Hardware = "h100",
+    memory_limit: int | None = None,
+    batch_argnums: Sequence[int] | None = None,
+    level: str = "fast",
+    tactics: Collection[str] | None = None,
+) -> tuple[Plan, list[Candidate]]:
     """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits
     the search to the named ones (`TACTICS`; "exact" is the thorough level's solver).
 
@@ -145,7 +168,12 @@ def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_l
     unknown = set(tactics or ()) - set(TACTICS)
     if unknown:
         raise PlanInputError(f"unknown tactics {sorted(unknown)}: expected some of {TACTICS}")
-    candidates = [c for mesh in meshes for c in _tactics(inputs, mesh, hw) if tactics is None or c.tactic.split("+sequence")[0] in tactics]
+    candidates = [
+        c
+        for mesh in meshes
+        for c in _tactics(inputs, mesh, hw)
+        if tactics is None or c.tactic.split("+sequence")[0] in tactics
+    ]
     if level == "thorough" and (tactics is None or "exact" in tactics):
         candidates += _solved(inputs, candidates, hw, limit)
     if not candidates:
@@ -157,11 +185,14 @@ def _search(fn, *args, devices: int, hardware: str | Hardware = "h100", memory_l
         raise PlanMemoryError(
             f"no plan fits {limit / 2**30:.2f} GiB per device: the smallest needs {least.cost.peak_bytes_per_device / 2**30:.2f} GiB "
             f"({least.tactic} on {dict(least.mesh)}), {(least.cost.peak_bytes_per_device - limit) / 2**30:.2f} GiB over. "
-            "Use more devices, a smaller batch, or a larger memory_limit")
+            "Use more devices, a smaller batch, or a larger memory_limit"
+        )
     best = fitting[0]
     t2 = time.perf_counter()
-    timing = (f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops), fold {inputs.seconds[1]:.2f} s "
-              f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})")
+    timing = (
+        f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops), fold {inputs.seconds[1]:.2f} s "
+        f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
+    )
     plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing)
     return plan, ranked
 
@@ -201,8 +232,11 @@ def _key_name(key) -> str:
 def _meshes(devices: int, inputs: _Inputs, hw: Hardware, level: str) -> list[dict[str, int]]:
     """(data, seq, model) factorizations of all the devices, and of the most devices whose count
     the batch divides (6 of 7 for a batch of 24)."""
-    leaves = [inputs.graph.values[v].shape for v, a in zip(inputs.ids, inputs.argnum)
-              if a in inputs.batch_argnums and inputs.graph.values[v].shape]
+    leaves = [
+        inputs.graph.values[v].shape
+        for v, a in zip(inputs.ids, inputs.argnum)
+        if a in inputs.batch_argnums and inputs.graph.values[v].shape
+    ]
     if not leaves:
         raise PlanInputError("no batch argument found: pass batch_argnums=... naming the arguments that hold the batch")
     divides = lambda d: all(s[0] % d == 0 for s in leaves)
@@ -265,15 +299,21 @@ def _tactics(inputs: _Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candid
             if mesh["data"] > 1:
                 plans["expert+megatron+fsdp"] = {**batch, **_add_fsdp(g, em, state, mesh["data"])}
     out = []
-    for name, annotations in plans.items():
-        if mesh["model"] > 1 and not any("model" in axes for sh in annotations.values() for axes in sh):
+    for name, chosen_specs in plans.items():
+        if mesh["model"] > 1 and not any("model" in axes for sh in chosen_specs.values() for axes in sh):
             continue  # the tactic found nothing to split: the model axis would only repeat work
-        out.append(_priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, annotations, hw, batch))
+        out.append(_priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen_specs, hw, batch))
     return out
 
 
-def _priced(inputs: _Inputs, name: str, mesh: Mapping[str, int], annotations: Mapping[int, Sharding], hw: Hardware,
-            batch: Mapping[int, Sharding]) -> Candidate:
+def _priced(
+    inputs: _Inputs,
+    name: str,
+    mesh: Mapping[str, int],
+    annotations: Mapping[int, Sharding],
+    hw: Hardware,
+    batch: Mapping[int, Sharding],
+) -> Candidate:
     """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
     batch first, and priced."""
     annotations = _mirror_optimizer_state(inputs, annotations)
@@ -292,12 +332,19 @@ def _solved(inputs: _Inputs, candidates: list[Candidate], hw: Hardware, limit: i
     by_mesh: dict[tuple, list[Candidate]] = {}
     for c in candidates:
         by_mesh.setdefault(tuple(c.mesh.items()), []).append(c)
+
     def best(cs):
         fitting = [c for c in cs if c.cost.peak_bytes_per_device <= limit]
-        return min(fitting, key=lambda c: c.cost.total_seconds) if fitting else min(cs, key=lambda c: c.cost.peak_bytes_per_device)
+        return (
+            min(fitting, key=lambda c: c.cost.total_seconds)
+            if fitting
+            else min(cs, key=lambda c: c.cost.peak_bytes_per_device)
+        )
+
     def rank(cs):
         b = best(cs)
         return (b.cost.peak_bytes_per_device > limit, b.cost.total_seconds)
+
     meshes = sorted((k for k in by_mesh if dict(k)["model"] > 1), key=lambda k: rank(by_mesh[k]))[:REFINED_MESHES]
     return [c for k in meshes for c in _solve_mesh(inputs, dict(k), hw, limit, best(by_mesh[k]))]
 
@@ -319,12 +366,16 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
     def price(choice: Sequence[int]) -> Candidate:
         key = tuple(choice)
         if key not in cache:
-            ann = {w.value: w.sharding(_split(w.shape(g), opts[o], "model")) for w, opts, o in zip(found, options, key) if o}
+            ann = {
+                w.value: w.sharding(_split(w.shape(g), opts[o], "model"))
+                for w, opts, o in zip(found, options, key)
+                if o
+            }
             cache[key] = _priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
         return cache[key]
 
     def option_of(w: _Weight, opts: list) -> int:
-        given = start.annotations.get(w.value, ())[1 if w.stacked else 0:]
+        given = start.annotations.get(w.value, ())[1 if w.stacked else 0 :]
         dims = [d for d, axes in enumerate(given) if "model" in axes]
         return opts.index(dims[0]) if dims and dims[0] in opts else 0
 
@@ -342,9 +393,10 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
         state = _state(inputs)
         for c in list(out):
             tp = {w.value: c.annotations[w.value] for w in found if w.value in c.annotations}
-            out.append(_priced(inputs, name + "+fsdp", mesh, {**batch, **_add_fsdp(g, tp, state, mesh["data"])}, hw, batch))
+            out.append(
+                _priced(inputs, name + "+fsdp", mesh, {**batch, **_add_fsdp(g, tp, state, mesh["data"])}, hw, batch)
+            )
     return out
-
 
 
 def _linearised(price, ref: tuple[int, ...], options: list[list], limit: int) -> exact.PairwiseProblem:
@@ -357,12 +409,24 @@ def _linearised(price, ref: tuple[int, ...], options: list[list], limit: int) ->
     unary_mem = [[0.0 if o == ref[i] else mem(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
     pair, pair_mem = {}, {}
     for i, j in [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else []):
-        both = lambda o, p: o != ref[i] and p != ref[j]
-        pair[(i, j)] = [[sec(moved({i: o, j: p})) - unary[i][o] - unary[j][p] if both(o, p) else 0.0
-                         for p in range(len(options[j]))] for o in range(len(options[i]))]
-        pair_mem[(i, j)] = [[mem(moved({i: o, j: p})) - unary_mem[i][o] - unary_mem[j][p] if both(o, p) else 0.0
-                             for p in range(len(options[j]))] for o in range(len(options[i]))]
-    return exact.PairwiseProblem(unary, pair, unary_mem, pair_mem, budget=(limit - base.cost.peak_bytes_per_device) / limit)
+        both = lambda o, p: o != ref[i] and p != ref[j]  # noqa: B023 (called within the iteration)
+        pair[(i, j)] = [
+            [
+                sec(moved({i: o, j: p})) - unary[i][o] - unary[j][p] if both(o, p) else 0.0
+                for p in range(len(options[j]))
+            ]
+            for o in range(len(options[i]))
+        ]
+        pair_mem[(i, j)] = [
+            [
+                mem(moved({i: o, j: p})) - unary_mem[i][o] - unary_mem[j][p] if both(o, p) else 0.0
+                for p in range(len(options[j]))
+            ]
+            for o in range(len(options[i]))
+        ]
+    return exact.PairwiseProblem(
+        unary, pair, unary_mem, pair_mem, budget=(limit - base.cost.peak_bytes_per_device) / limit
+    )
 
 
 def _split(shape, dim: int, axis: str) -> Sharding:
@@ -424,8 +488,9 @@ def _weights_in_order(inputs: _Inputs) -> list[_Weight]:
     return out
 
 
-def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding],
-              preset: Mapping[int, Sharding] | None = None) -> dict[int, Sharding]:
+def _megatron(
+    inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding], preset: Mapping[int, Sharding] | None = None
+) -> dict[int, Sharding]:
     """Decide weights in program order, propagating after each decision; weights in `preset`
     (stacked experts) take the sharding given there. The graph is folded, so a repeated layer's
     weights are decided once for every copy (TAP)."""
@@ -441,8 +506,10 @@ def _megatron(inputs: _Inputs, mesh: dict[str, int], batch: Mapping[int, Shardin
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         x_sharding = prop.of(other, len(g.values[other].shape)) if other >= 0 else ()
-        kind = lambda dims: op.factors[dims[0]].kind if dims else None
-        arrives_split = any("model" in axes and kind(dims) is FactorKind.REDUCE for axes, dims in zip(x_sharding, x_dims))
+        kind = lambda dims: op.factors[dims[0]].kind if dims else None  # noqa: B023 (called within the iteration)
+        arrives_split = any(
+            "model" in axes and kind(dims) is FactorKind.REDUCE for axes, dims in zip(x_sharding, x_dims)
+        )
         shared = {dims[0] for dims in x_dims if dims}
         if arrives_split:  # row-parallel: split the contracted dimension, as the activation is
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.REDUCE]
@@ -489,8 +556,17 @@ def _mirror_optimizer_state(inputs: _Inputs, annotations: Mapping[int, Sharding]
     return out
 
 
-def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: float, ranked: list[Candidate], limit: int,
-             hw: Hardware, timing: str = "") -> Plan:
+def _to_plan(
+    inputs: _Inputs,
+    best: Candidate,
+    args,
+    devices: int,
+    seconds: float,
+    ranked: list[Candidate],
+    limit: int,
+    hw: Hardware,
+    timing: str = "",
+) -> Plan:
     g = inputs.graph
     specs = [_spec(best.propagation.of(v, len(g.values[v].shape))) for v in inputs.ids]
     it = iter(specs)
@@ -498,8 +574,13 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: floa
     outs = iter(_spec(best.propagation.of(v, len(g.values[v].shape)) if v >= 0 else ()) for v in g.outputs)
     out_specs = jax.tree.map(lambda _: next(outs), g.out_shape)
     c = best.cost
-    cpu_peak = c.peak_bytes_per_device if hw.copies_transposed_lhs else estimate(
-        g, best.propagation, best.mesh, dataclasses.replace(hw, copies_transposed_lhs=True), inputs.fold).peak_bytes_per_device
+    cpu_peak = (
+        c.peak_bytes_per_device
+        if hw.copies_transposed_lhs
+        else estimate(
+            g, best.propagation, best.mesh, dataclasses.replace(hw, copies_transposed_lhs=True), inputs.fold
+        ).peak_bytes_per_device
+    )
     cost = Cost(c.compute_seconds, c.communication_seconds, dict(c.collective_bytes), c.peak_bytes_per_device, cpu_peak)
     # Why: the best candidate of every other tactic, and the next best of the chosen one.
     seen, runners = {best.tactic}, [r for r in ranked if r is not best and r.tactic == best.tactic][:1]
@@ -511,16 +592,34 @@ def _to_plan(inputs: _Inputs, best: Candidate, args, devices: int, seconds: floa
     lost = ()
     if used < devices:
         whole = [r for r in ranked if math.prod(r.mesh.values()) == devices and r.cost.peak_bytes_per_device <= limit]
-        lost = (f"using {used} of {devices} devices: " + (
-            f"the best plan on all {devices} is predicted slower ({whole[0].cost.total_seconds * 1e3:.3f} ms against "
-            f"{best.cost.total_seconds * 1e3:.3f} ms)" if whole else
-            "the batch does not divide by " + ", ".join(str(k) for k in range(devices, used, -1))),)
-    notes = (f"chosen: {best.line()}",) + lost + tuple(
-        f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
-        for r in sorted(runners, key=lambda r: r.cost.total_seconds)) + ((timing,) if timing else ())
+        lost = (
+            f"using {used} of {devices} devices: "
+            + (
+                f"the best plan on all {devices} is predicted slower ({whole[0].cost.total_seconds * 1e3:.3f} ms against "
+                f"{best.cost.total_seconds * 1e3:.3f} ms)"
+                if whole
+                else "the batch does not divide by " + ", ".join(str(k) for k in range(devices, used, -1))
+            ),
+        )
+    notes = (
+        (f"chosen: {best.line()}",)
+        + lost
+        + tuple(
+            f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
+            for r in sorted(runners, key=lambda r: r.cost.total_seconds)
+        )
+        + ((timing,) if timing else ())
+    )
     mesh = {k: v for k, v in best.mesh.items() if v > 1} or {"data": 1}
-    return Plan(mesh=mesh, in_specs=in_specs, out_specs=out_specs, cost=cost, search_seconds=seconds,
-                devices=devices, notes=notes)
+    return Plan(
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        cost=cost,
+        search_seconds=seconds,
+        devices=devices,
+        notes=notes,
+    )
 
 
 def _spec(sharding: Sharding) -> P:

@@ -5,15 +5,18 @@ Peak memory is `memory.peak`: XLA's layout of argument, result and temporary buf
 
 Collectives follow DESIGN.md: an all-reduce of n bytes over p devices costs 2(p-1)/p * n/B plus
 the latencies of a ring or a tree, whichever are fewer (`hardware.latency_steps`); an all-gather (a
-reshard here) or a reduce-scatter of shards of s bytes costs (p-1) * s/B plus (p-1) latencies. The link is the slowest one the group crosses: devices of the innermost mesh axes
+reshard here) or a reduce-scatter of shards of s bytes costs (p-1) * s/B plus (p-1) latencies. The
+link is the slowest one the group crosses: devices of the innermost mesh axes
 are neighbours, so a group stays on one host while the axes from its own to the innermost span at
 most `devices_per_host` devices.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,16 +44,22 @@ class GraphCost:
 FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota"}
 
 
-def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware, fold: "Fold | None" = None) -> GraphCost:
+def estimate(
+    graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware, fold: Fold | None = None
+) -> GraphCost:
     """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled)."""
     if fold is not None:
         graph, mult, mat = fold.graph, fold.mult, fold.materialized
     elif graph.copies:
-        raise ValueError("estimate: this graph was captured compact (its repeated layers are `Graph.copies`, not ops); "
-                         "price it through its fold, `estimate(fold.graph, prop, mesh, hw, fold)`, or capture it with compact=False")
+        raise ValueError(
+            "estimate: this graph was captured compact (its repeated layers are `Graph.copies`, not ops); "
+            "price it through its fold, `estimate(fold.graph, prop, mesh, hw, fold)`, or capture it with compact=False"
+        )
     else:
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], materialized(graph)
-    compute = sum(m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie")
+    compute = sum(
+        m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie"
+    )
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
@@ -80,7 +89,9 @@ def estimate(graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware:
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
         comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
     if fold is not None:
-        peak = fold.peak_bytes({v: _device_bytes(graph, v, prop, mesh) for v in mat}, held, hardware.copies_transposed_lhs)
+        peak = fold.peak_bytes(
+            {v: _device_bytes(graph, v, prop, mesh) for v in mat}, held, hardware.copies_transposed_lhs
+        )
     else:
         peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
     return GraphCost(compute, comm, sent, peak)
@@ -96,8 +107,11 @@ def _off_the_matmul_path(graph: Graph) -> set[int]:
     for _ in range(4):  # a folded graph's ties carry one copy's output into the next copy's ops
         before = len(feeds)
         for op in reversed(graph.ops):
-            if (op.primitive == "dot_general" or any(r in feeds for r in op.results)
-                    or (op.primitive == "tie" and any(v in feeds for v in op.operands))):
+            if (
+                op.primitive == "dot_general"
+                or any(r in feeds for r in op.results)
+                or (op.primitive == "tie" and any(v in feeds for v in op.operands))
+            ):
                 feeds.update(v for v in op.operands if v >= 0)
         if len(feeds) == before:
             break
@@ -114,15 +128,16 @@ def materialized(graph: Graph) -> set[int]:
     return set(np.flatnonzero(materialized_mask(graph)).tolist())
 
 
-def materialized_mask(graph: Graph, table: "memory.Table | None" = None) -> np.ndarray:
+def materialized_mask(graph: Graph, table: memory.Table | None = None) -> np.ndarray:
     """`materialized` as a mask over value ids, on the unrolled program (`memory.table`)."""
     t = table if table is not None else memory.table(graph)
     nv = len(graph.values)
     out = np.zeros(nv + 1, dtype=bool)  # (the last slot takes literals, -1)
     out[graph.inputs] = True
     out[[v for v in graph.outputs if v >= 0]] = True
-    kind = np.array([0 if op.primitive not in FUSIBLE else 1 if op.primitive in EXPENSIVE else 2 for op in graph.ops],
-                    dtype=np.int8)[t.source]
+    kind = np.array(
+        [0 if op.primitive not in FUSIBLE else 1 if op.primitive in EXPENSIVE else 2 for op in graph.ops], dtype=np.int8
+    )[t.source]
     out[t.reads[kind[t.read_row] == 0]] = True
     out[t.makes[kind[t.make_row] == 0]] = True
     consumers = np.bincount(t.reads[t.reads >= 0], minlength=nv)
@@ -132,8 +147,28 @@ def materialized_mask(graph: Graph, table: "memory.Table | None" = None) -> np.n
     return out | ((consumers > 1) & ~cheap)
 
 
-EXPENSIVE = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "erf", "erfc", "erf_inv",
-             "pow", "sqrt", "rsqrt", "cbrt", "div", "rem", "atan2"}
+EXPENSIVE = {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "tan",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "div",
+    "rem",
+    "atan2",
+}
 
 
 def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, materialized: set[int]) -> float:

@@ -11,10 +11,11 @@ solved by HiGHS (Alpa's formulation, over TAP's folded graph).
 `k_best` yields the optimum, then the optimum with each earlier answer cut off (a no-good cut per
 answer), so a caller can price a few of the best exactly and keep the one that truly wins.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,11 @@ saved by every layer add up there and nowhere else. A compact capture's replayed
 (`Graph.copies`) fold onto their template without being walked op by op: their values by their
 shift, their outside reads as pairs, their ops as multiplicity of the template's.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -71,12 +72,19 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
     for c in graph.copies:  # each copy reads its `free_ids` where the template reads `free`
         replayed[c.template] = len(c.shifts)
-        _pair(parent, pairs, is_input, c.free_ids.ravel().tolist(), np.tile(c.free, len(c.shifts)).tolist(), len(c.shifts) + 1)
+        _pair(
+            parent,
+            pairs,
+            is_input,
+            c.free_ids.ravel().tolist(),
+            np.tile(c.free, len(c.shifts)).tolist(),
+            len(c.shifts) + 1,
+        )
     for r in find_repeats(graph, min_period=MIN_PERIOD):
-        copies = r.count - 1 + int(replayed[r.start:r.stop].max())
+        copies = r.count - 1 + int(replayed[r.start : r.stop].max())
         for k in range(1, r.count):
             base = r.start + k * r.period
-            in_copy[base: base + r.period] = True
+            in_copy[base : base + r.period] = True
             for i in range(r.period):
                 op_k, op_0 = graph.ops[base + i], graph.ops[r.start + i]
                 op_parent[op_k.id] = op_0.id
@@ -115,11 +123,13 @@ def _replayed_parents(graph: Graph) -> list[int]:
     for c in graph.copies:
         start, stop = c.values
         for shift in c.shifts:
-            parent[start + shift: stop + shift] = np.arange(start, stop)
+            parent[start + shift : stop + shift] = np.arange(start, stop)
     return parent.tolist()
 
 
-def _pair(parent: list[int], pairs: list, is_input: set, reads_k: Sequence[int], reads_0: Sequence[int], copies: int) -> None:
+def _pair(
+    parent: list[int], pairs: list, is_input: set, reads_k: Sequence[int], reads_0: Sequence[int], copies: int
+) -> None:
     """Copy k reads `reads_k` where copy 0 reads `reads_0`: the same weight (layer k's is layer
     0's; the first class a weight joins holds), or two values to tie."""
     for a, b in zip(reads_k, reads_0):
@@ -175,11 +185,18 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.
     rep_list = rep.tolist()
     find = lambda v: rep_list[v] if v >= 0 else v
     read = {find(v) for op in kept for v in op.operands} | {find(v) for v in graph.outputs}
-    kept = [op for op in kept if op.body is not None or any(v >= 0 for v in op.operands) or any(r in read for r in op.results)]
+    kept = [
+        op
+        for op in kept
+        if op.body is not None or any(v >= 0 for v in op.operands) or any(r in read for r in op.results)
+    ]
     # Each original op counts toward its representative, a scan body's op `trips` times (a
     # constant only its folded-away readers used has no representative left).
-    runs = np.bincount(_roots(op_parent), weights=[(op.trips if op.body is None else 1) * (1 + int(n))
-                                                   for op, n in zip(graph.ops, replayed)], minlength=len(graph.ops))
+    runs = np.bincount(
+        _roots(op_parent),
+        weights=[(op.trips if op.body is None else 1) * (1 + int(n)) for op, n in zip(graph.ops, replayed)],
+        minlength=len(graph.ops),
+    )
     mult = [int(runs[op.id]) for op in kept]
     ops = [dataclasses.replace(op, id=i, operands=tuple(find(v) for v in op.operands)) for i, op in enumerate(kept)]
     ties: dict[tuple[int, int], int] = {}
@@ -193,7 +210,9 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.
         ops.append(_tie(len(ops), a, b, graph.values[a].shape))
         mult.append(copies)
     inputs = list(dict.fromkeys(find(v) for v in graph.inputs))
-    folded = Graph(graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape)
+    folded = Graph(
+        graph.values, ops, inputs, [find(v) for v in graph.outputs], graph.input_paths, graph.unknown, graph.out_shape
+    )
     life = memory.liveness(graph)
     materialized = set(rep[life.values[~life.copy]].tolist())
     return Fold(folded, rep, mult, materialized, graph.unrolled_ops, life)

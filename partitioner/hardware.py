@@ -3,6 +3,7 @@
 Figures are bf16 dense peaks from vendor data sheets (see ../shared/DESIGN.md). A link is priced
 alpha + bytes / bandwidth; `intra` applies within one host (NVLink, ICI), `inter` across hosts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,9 @@ PROFILES: dict[str, Hardware] = {
     "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * GiB, 2.76e12, 4, Link(90 * GB, 5e-6), Link(90 * GB, 5e-6)),
     "tpu-v5e": Hardware("tpu-v5e", 197e12, 16 * GB, 0.82e12, 4, Link(45 * GB, 5e-6), Link(45 * GB, 5e-6)),
     # Fake CPU devices in tests: modest figures so that plans are exercised, not praised.
-    "cpu": Hardware("cpu", 100e9, 4 * GiB, 20 * GB, 2, Link(5 * GB, 20e-6), Link(1 * GB, 50e-6),
-                    copies_transposed_lhs=True),
+    "cpu": Hardware(
+        "cpu", 100e9, 4 * GiB, 20 * GB, 2, Link(5 * GB, 20e-6), Link(1 * GB, 50e-6), copies_transposed_lhs=True
+    ),
 }
 
 

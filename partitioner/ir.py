@@ -25,13 +25,15 @@ checking and renaming, not by building. `capture(..., compact=True)` keeps the r
 `Graph.copies` (the fold and the memory model read them so); by default they are expanded into
 ops, exactly those capture would have built one by one.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import enum
 import functools
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -67,7 +69,9 @@ class Value:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "key" else 8 * math.prod(self.shape)
+        return (
+            math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "key" else 8 * math.prod(self.shape)
+        )
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -80,7 +84,7 @@ class Op:
     operand_dims: tuple[Dims, ...]
     result_dims: tuple[Dims, ...]
     flops: float
-    body: "Graph | None" = None  # scan / while / cond: the captured body (first branch for cond)
+    body: Graph | None = None  # scan / while / cond: the captured body (first branch for cond)
     trips: int = 1  # runs per call: a scan's length for ops of its inlined body; a loop's body trips
     sig: Any = None  # equal for ops the capture built from the same rule, shapes and params (cheap to hash)
 
@@ -88,8 +92,14 @@ class Op:
         """Equal for the same computation on the same shapes, whatever the value ids: used to
         recognise repeated layers."""
         shapes = tuple(values[v].shape if v >= 0 else () for v in self.operands)
-        return (self.primitive, shapes, tuple(values[v].shape for v in self.results), self.factors,
-                self.operand_dims, self.result_dims)
+        return (
+            self.primitive,
+            shapes,
+            tuple(values[v].shape for v in self.results),
+            self.factors,
+            self.operand_dims,
+            self.result_dims,
+        )
 
 
 @dataclasses.dataclass
@@ -101,7 +111,7 @@ class Graph:
     input_paths: list[str]
     unknown: dict[str, int]  # primitives captured as OPAQUE for want of a rule, with counts
     out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
-    copies: list["Copies"] = dataclasses.field(default_factory=list)  # a compact capture's replayed layers
+    copies: list[Copies] = dataclasses.field(default_factory=list)  # a compact capture's replayed layers
     _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -109,8 +119,11 @@ class Graph:
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one
         primitive if named."""
-        per_op = [(op.flops * (op.trips if op.body is None else 1) if primitive in (None, op.primitive) else 0.0)
-                  + (op.body.flops(primitive) * op.trips if op.body else 0.0) for op in self.ops]
+        per_op = [
+            (op.flops * (op.trips if op.body is None else 1) if primitive in (None, op.primitive) else 0.0)
+            + (op.body.flops(primitive) * op.trips if op.body else 0.0)
+            for op in self.ops
+        ]
         return sum(per_op) + sum(len(c.shifts) * sum(per_op[i] for i in c.template) for c in self.copies)
 
     @property
@@ -136,7 +149,9 @@ def capture(fn, *args, compact: bool = False) -> Graph:
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:
-        raise CaptureError(f"tracing {getattr(fn, '__name__', fn)} with the given arguments failed: {type(e).__name__}: {e}") from e
+        raise CaptureError(
+            f"tracing {getattr(fn, '__name__', fn)} with the given arguments failed: {type(e).__name__}: {e}"
+        ) from e
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
     graph = _Builder().build(closed.jaxpr, paths, compact)
     graph.out_shape = out_shape
@@ -169,24 +184,29 @@ class _Builder:
         """Build the top level, replaying later copies of repeated blocks from their second copy."""
         done = 0
         for start, period, count in replay.blocks(eqns, repeats):
-            self._eqns(eqns[done:start + period], env)
+            self._eqns(eqns[done : start + period], env)
             first, values, unknown = len(self.ops), len(self.values), dict(self.unknown)
-            second = eqns[start + period:start + 2 * period]
+            second = eqns[start + period : start + 2 * period]
             self._eqns(second, env)
             done = start + 2 * period
-            template = replay.Template(second, env, (values, len(self.values)), self.ops[first:],
-                                       [j for j, e in enumerate(second) if not _params_free(e)])
+            template = replay.Template(
+                second,
+                env,
+                (values, len(self.values)),
+                self.ops[first:],
+                [j for j, e in enumerate(second) if not _params_free(e)],
+            )
             if not template.ok:
                 continue
             marker = replay.Replay(template)
             size = len(self.values) - values
             new_unknown = {k: n - unknown.get(k, 0) for k, n in self.unknown.items() if n != unknown.get(k, 0)}
             for k in range(2, count):
-                free = template.match(eqns[start + k * period:start + (k + 1) * period], env, len(self.values))
+                free = template.match(eqns[start + k * period : start + (k + 1) * period], env, len(self.values))
                 if free is None:
                     break
                 marker.add(len(self.values) - values, free)
-                self.values.extend(self.values[values:values + size])  # (shared: a Value's id is unused)
+                self.values.extend(self.values[values : values + size])  # (shared: a Value's id is unused)
                 for name, n in new_unknown.items():
                     self.unknown[name] += n
                 done = start + (k + 1) * period
@@ -238,7 +258,9 @@ class _Builder:
                     rule = _elementwise
             factors, op_dims, res_dims, flops, sig = self._factors(rule, eqn, in_shapes, out_shapes)
             trips = trips if body is not None else self.trips
-            self.ops.append((name, operands, results, factors, op_dims, res_dims, flops, body, trips, sig if body is None else None))
+            self.ops.append(
+                (name, operands, results, factors, op_dims, res_dims, flops, body, trips, sig if body is None else None)
+            )
 
     def _scan(self, eqn, env) -> None:
         body = eqn.params["jaxpr"]
@@ -249,11 +271,11 @@ class _Builder:
         for var, v in zip(inner[:nc], outer[:nc]):
             sub[var] = v
         carries = []
-        for var, v in zip(inner[nc:nc + nk], outer[nc:nc + nk]):
+        for var, v in zip(inner[nc : nc + nk], outer[nc : nc + nk]):
             sub[var] = self._new_value(var.aval)
             carries.append(sub[var])
             self._raw("tie", (v, sub[var]), (), *tie_factors(var.aval.shape))
-        for var, v in zip(inner[nc + nk:], outer[nc + nk:]):
+        for var, v in zip(inner[nc + nk :], outer[nc + nk :]):
             sub[var] = self._new_value(var.aval)
             self._raw("scan_slice", (v,), (sub[var],), *_stacked(tuple(var.aval.shape), length, stacked_result=False))
         saved, self.trips = self.trips, self.trips * length
@@ -270,12 +292,20 @@ class _Builder:
             self._raw("scan_stack", (out,), (result,), *_stacked(shape, length, stacked_result=True))
 
     def _raw(self, name, operands, results, factors, op_dims, res_dims) -> None:
-        self.ops.append((name, operands, results, factors, op_dims, res_dims, 0.0, None, 1, (name, factors, op_dims, res_dims)))
+        self.ops.append(
+            (name, operands, results, factors, op_dims, res_dims, 0.0, None, 1, (name, factors, op_dims, res_dims))
+        )
 
     def _factors(self, rule, eqn, in_shapes, out_shapes):
         """The rule's answer, memoised: a 96-layer model asks the same question 96 times."""
         try:
-            key = (rule, eqn.primitive.name, in_shapes, out_shapes, tuple(sorted(eqn.params.items())) if rule is not _elementwise else ())
+            key = (
+                rule,
+                eqn.primitive.name,
+                in_shapes,
+                out_shapes,
+                tuple(sorted(eqn.params.items())) if rule is not _elementwise else (),
+            )
             hash(key)
         except TypeError:  # unhashable params (a jaxpr, an array): no memo
             key = None
@@ -316,7 +346,7 @@ def _stacked(shape, length: int, stacked_result: bool):
     return (factors, (rest,), (whole,)) if stacked_result else (factors, (whole,), (rest,))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_name(dtype) -> str:
     return "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
@@ -352,11 +382,28 @@ def _params_free(eqn) -> bool:
     name = eqn.primitive.name
     if name in ("scan", "while", "cond") or _inlined_jaxpr(eqn) is not None:
         return False
-    return RULES.get(name) in (None, _elementwise, _same_where_unchanged, _reshape, _fresh)  # (None: elementwise or opaque)
+    return RULES.get(name) in (
+        None,
+        _elementwise,
+        _same_where_unchanged,
+        _reshape,
+        _fresh,
+    )  # (None: elementwise or opaque)
 
 
-_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-          "checkpoint", "remat", "remat2", "custom_lin"}
+_CALLS = {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_lin",
+}
 
 
 def _inlined_jaxpr(eqn):
@@ -372,12 +419,71 @@ def _inlined_jaxpr(eqn):
 # -- factor rules --------------------------------------------------------------------------------
 
 ELEMENTWISE = {
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "pow", "integer_pow", "square", "sqrt", "rsqrt",
-    "cbrt", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "neg", "sign", "abs",
-    "floor", "ceil", "round", "is_finite", "erf", "erfc", "erf_inv", "select_n", "convert_element_type", "eq", "ne",
-    "lt", "gt", "le", "ge", "and", "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "stop_gradient", "copy", "copy_p", "clamp", "nextafter", "atan2", "reduce_precision", "bitcast_convert_type",
-    "threefry2x32", "random_wrap", "random_unwrap", "random_fold_in", "imag", "real", "conj", "population_count",
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "rem",
+    "max",
+    "min",
+    "pow",
+    "integer_pow",
+    "square",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "tan",
+    "neg",
+    "sign",
+    "abs",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "select_n",
+    "convert_element_type",
+    "eq",
+    "ne",
+    "lt",
+    "gt",
+    "le",
+    "ge",
+    "and",
+    "or",
+    "not",
+    "xor",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "stop_gradient",
+    "copy",
+    "copy_p",
+    "clamp",
+    "nextafter",
+    "atan2",
+    "reduce_precision",
+    "bitcast_convert_type",
+    "threefry2x32",
+    "random_wrap",
+    "random_unwrap",
+    "random_fold_in",
+    "imag",
+    "real",
+    "conj",
+    "population_count",
 }
 
 
@@ -395,7 +501,7 @@ def _elementwise(eqn, in_shapes, out_shapes):
     dims = _own(shape, factors)
     rank = len(shape)
     op_dims = [dims if len(s) == rank and s == shape else _broadcast_dims(s, shape, dims) for s in in_shapes]
-    res_dims = [dims[rank - len(s):] if len(s) <= rank else _own(s, factors) for s in out_shapes]
+    res_dims = [dims[rank - len(s) :] if len(s) <= rank else _own(s, factors) for s in out_shapes]
     return factors, op_dims, res_dims, math.prod(shape)
 
 
@@ -516,7 +622,7 @@ def _dot_general(eqn, in_shapes, out_shapes):
         factors.append(Factor(ls[l], FactorKind.PASS))
         ldims[l] = rdims[r] = (len(factors) - 1,)
         out.append((len(factors) - 1,))
-    for side, dims, shape, skip in ((0, ldims, ls, set(lc) | set(lb)), (1, rdims, rs, set(rc) | set(rb))):
+    for _side, dims, shape, skip in ((0, ldims, ls, set(lc) | set(lb)), (1, rdims, rs, set(rc) | set(rb))):
         for d in range(len(shape)):
             if d not in skip:
                 factors.append(Factor(shape[d], FactorKind.PASS))
@@ -553,8 +659,12 @@ def _along_axis(kind_of_axis: FactorKind, param: str):
         for d, size in enumerate(shape):
             factors.append(Factor(size, kind_of_axis if d == axis else FactorKind.PASS))
             dims.append((len(factors) - 1,))
-        op_dims = [tuple(dims[d] if d != axis else (_own((s[d],), factors, FactorKind.OPAQUE)[0][0],) for d in range(len(s)))
-                   if len(s) == len(shape) else () for s in in_shapes]
+        op_dims = [
+            tuple(dims[d] if d != axis else (_own((s[d],), factors, FactorKind.OPAQUE)[0][0],) for d in range(len(s)))
+            if len(s) == len(shape)
+            else ()
+            for s in in_shapes
+        ]
         return factors, op_dims, [tuple(dims) for _ in out_shapes], math.prod(shape)
 
     return rule
@@ -566,7 +676,7 @@ def _same_where_unchanged(eqn, in_shapes, out_shapes):
     shape, src = out_shapes[0], in_shapes[0]
     factors: list[Factor] = []
     op, res = [], []
-    for d, (a, b) in enumerate(zip(src, shape)):
+    for a, b in zip(src, shape):
         if a == b:
             factors.append(Factor(a, FactorKind.PASS))
             op.append((len(factors) - 1,))
@@ -574,8 +684,12 @@ def _same_where_unchanged(eqn, in_shapes, out_shapes):
         else:
             op.append(_own((a,), factors, FactorKind.OPAQUE)[0])
             res.append(_own((b,), factors, FactorKind.OPAQUE)[0])
-    extra = [res if s == shape and i == 1 and eqn.primitive.name == "dynamic_update_slice" else _own(s, factors, FactorKind.OPAQUE)
-             for i, s in enumerate(in_shapes[1:], 1)]
+    extra = [
+        res
+        if s == shape and i == 1 and eqn.primitive.name == "dynamic_update_slice"
+        else _own(s, factors, FactorKind.OPAQUE)
+        for i, s in enumerate(in_shapes[1:], 1)
+    ]
     return factors, [tuple(op)] + extra, [tuple(res)], 0.0
 
 
@@ -588,8 +702,11 @@ def _gather(eqn, in_shapes, out_shapes):
     factors: list[Factor] = []
     op_dims: list[tuple] = [()] * len(operand)
     res_dims: list[tuple] = [()] * len(out)
-    offset_operand = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims
-                      and d not in getattr(dn, "operand_batching_dims", ())]
+    offset_operand = [
+        d
+        for d in range(len(operand))
+        if d not in dn.collapsed_slice_dims and d not in getattr(dn, "operand_batching_dims", ())
+    ]
     for out_d, op_d in zip(dn.offset_dims, offset_operand):
         kind = FactorKind.PASS if sizes[op_d] == operand[op_d] else FactorKind.OPAQUE
         factors.append(Factor(out[out_d], kind))
@@ -619,8 +736,11 @@ def _scatter(eqn, in_shapes, out_shapes):
     factors: list[Factor] = []
     op_dims: list[tuple] = [()] * len(operand)
     upd_dims: list[tuple] = [()] * len(updates)
-    window_operand = [d for d in range(len(operand)) if d not in dn.inserted_window_dims
-                      and d not in getattr(dn, "operand_batching_dims", ())]
+    window_operand = [
+        d
+        for d in range(len(operand))
+        if d not in dn.inserted_window_dims and d not in getattr(dn, "operand_batching_dims", ())
+    ]
     for upd_d, op_d in zip(dn.update_window_dims, window_operand):
         kind = FactorKind.PASS if updates[upd_d] == operand[op_d] else FactorKind.OPAQUE
         factors.append(Factor(updates[upd_d], kind))
@@ -675,22 +795,41 @@ RULES = {
     "squeeze": _squeeze,
     "expand_dims": _expand_dims,
     "dot_general": _dot_general,
-    "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_min": _reduce, "reduce_prod": _reduce,
-    "reduce_and": _reduce, "reduce_or": _reduce, "argmax": _reduce, "argmin": _reduce,
-    "cumsum": _along_axis(FactorKind.OPAQUE, "axis"), "cumprod": _along_axis(FactorKind.OPAQUE, "axis"),
-    "cummax": _along_axis(FactorKind.OPAQUE, "axis"), "cumlogsumexp": _along_axis(FactorKind.OPAQUE, "axis"),
+    "reduce_sum": _reduce,
+    "reduce_max": _reduce,
+    "reduce_min": _reduce,
+    "reduce_prod": _reduce,
+    "reduce_and": _reduce,
+    "reduce_or": _reduce,
+    "argmax": _reduce,
+    "argmin": _reduce,
+    "cumsum": _along_axis(FactorKind.OPAQUE, "axis"),
+    "cumprod": _along_axis(FactorKind.OPAQUE, "axis"),
+    "cummax": _along_axis(FactorKind.OPAQUE, "axis"),
+    "cumlogsumexp": _along_axis(FactorKind.OPAQUE, "axis"),
     "sort": _along_axis(FactorKind.OPAQUE, "dimension"),
     "concatenate": _along_axis(FactorKind.OPAQUE, "dimension"),
-    "slice": _same_where_unchanged, "pad": _same_where_unchanged, "rev": _same_where_unchanged,
-    "dynamic_slice": _same_where_unchanged, "dynamic_update_slice": _same_where_unchanged,
-    "stack": _stack, "unstack": _unstack,
+    "slice": _same_where_unchanged,
+    "pad": _same_where_unchanged,
+    "rev": _same_where_unchanged,
+    "dynamic_slice": _same_where_unchanged,
+    "dynamic_update_slice": _same_where_unchanged,
+    "stack": _stack,
+    "unstack": _unstack,
     "gather": _gather,
-    "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
-    "iota": _fresh, "random_bits": _fresh, "random_split": _fresh, "random_seed": _fresh, "rng_bit_generator": _fresh,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "scatter": _scatter,
+    "iota": _fresh,
+    "random_bits": _fresh,
+    "random_split": _fresh,
+    "random_seed": _fresh,
+    "rng_bit_generator": _fresh,
 }
 
 
 # -- repeated layers (TAP) ---------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Repeat:
@@ -710,8 +849,9 @@ def signature_ids(graph: Graph) -> list[int]:
     """Per op, an integer equal for ops with equal `Op.signature` (computed once per graph)."""
     if graph._signature_ids is None:
         ids: dict[tuple, int] = {}
-        graph._signature_ids = [ids.setdefault(op.sig if op.sig is not None else op.signature(graph.values), len(ids))
-                                for op in graph.ops]
+        graph._signature_ids = [
+            ids.setdefault(op.sig if op.sig is not None else op.signature(graph.values), len(ids)) for op in graph.ops
+        ]
     return graph._signature_ids
 
 
@@ -724,11 +864,18 @@ def find_repeats(graph: Graph, min_count: int = 2, min_period: int = 1) -> list[
         period, start = len(c.template), c.template[0] - len(c.template)
         if start >= 0:
             hints[period] = min(hints.get(period, start), start)
-    return repeats(signature_ids(graph), [op.primitive == "dot_general" for op in graph.ops], min_count, min_period, hints)
+    return repeats(
+        signature_ids(graph), [op.primitive == "dot_general" for op in graph.ops], min_count, min_period, hints
+    )
 
 
-def repeats(seq: Sequence[int], anchor: Sequence[bool], min_count: int = 2, min_period: int = 1,
-            hints: dict[int, int] | None = None) -> list[Repeat]:
+def repeats(
+    seq: Sequence[int],
+    anchor: Sequence[bool],
+    min_count: int = 2,
+    min_period: int = 1,
+    hints: dict[int, int] | None = None,
+) -> list[Repeat]:
     """Maximal runs of identical blocks in `seq`, those that fold most away first, non-overlapping.
 
     Candidate periods are the gaps between consecutive occurrences of an anchor's id (each layer

@@ -14,6 +14,7 @@ memory at all is `cost.materialized`. On a backend whose dot kernels cannot read
 (`Hardware.copies_transposed_lhs`, XLA:CPU) each such lhs has a transposed copy, made beside it
 and freed after its dot.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,10 +63,17 @@ def table(graph: Graph) -> Table:
     time = np.arange(n, dtype=np.int64) + np.cumsum(inserted)[:n]
     reads = [v for op in graph.ops for v in op.operands]
     makes = [v for op in graph.ops for v in op.results]
-    parts = [(time, np.arange(n, dtype=np.int64), np.array(reads, dtype=np.int64),
-              np.repeat(np.arange(n), [len(op.operands) for op in graph.ops]),
-              np.array([op.operands[0] if op.operands else -1 for op in graph.ops], dtype=np.int64),
-              np.array(makes, dtype=np.int64), np.repeat(np.arange(n), [len(op.results) for op in graph.ops]))]
+    parts = [
+        (
+            time,
+            np.arange(n, dtype=np.int64),
+            np.array(reads, dtype=np.int64),
+            np.repeat(np.arange(n), [len(op.operands) for op in graph.ops]),
+            np.array([op.operands[0] if op.operands else -1 for op in graph.ops], dtype=np.int64),
+            np.array(makes, dtype=np.int64),
+            np.repeat(np.arange(n), [len(op.results) for op in graph.ops]),
+        )
+    ]
     rows = n
     for c in graph.copies:
         parts.append(_replayed(graph, c, time[c.template[-1]] + 1, rows))
@@ -85,9 +93,15 @@ def _replayed(graph: Graph, c, first_time: int, first_row: int) -> tuple:
     make_j = np.repeat(np.arange(m), [len(op.results) for op in ops])
     lhs = np.array([op.operands[0] if op.operands else -1 for op in ops], dtype=np.int64)
     shifts = np.asarray(c.shifts, dtype=np.int64)[:, None]
-    return ((first_time + m * np.arange(copies)[:, None] + np.arange(m)).ravel(), np.tile(np.asarray(c.template), copies),
-            c.map_all(reads).ravel(), (base + read_j).ravel(), c.map_all(lhs).ravel(),
-            (makes + shifts).ravel(), (base + make_j).ravel())
+    return (
+        (first_time + m * np.arange(copies)[:, None] + np.arange(m)).ravel(),
+        np.tile(np.asarray(c.template), copies),
+        c.map_all(reads).ravel(),
+        (base + read_j).ravel(),
+        c.map_all(lhs).ravel(),
+        (makes + shifts).ravel(),
+        (base + make_j).ravel(),
+    )
 
 
 def liveness(graph: Graph) -> Liveness:
@@ -116,9 +130,15 @@ def liveness(graph: Graph) -> Liveness:
     lhs, at = t.lhs[dots], t.time[dots]
     made = np.where(arguments[lhs] | (birth[lhs] < 0), at, birth[lhs])
     copy = np.concatenate([np.zeros(len(live), dtype=bool), np.ones(len(dots), dtype=bool)])
-    return Liveness(np.concatenate([live, lhs]), np.concatenate([birth[live], made]), np.concatenate([death[live], at]),
-                    np.concatenate([arguments[live], np.zeros(len(dots), dtype=bool)]),
-                    np.concatenate([results[live], np.zeros(len(dots), dtype=bool)]), t.end, copy)
+    return Liveness(
+        np.concatenate([live, lhs]),
+        np.concatenate([birth[live], made]),
+        np.concatenate([death[live], at]),
+        np.concatenate([arguments[live], np.zeros(len(dots), dtype=bool)]),
+        np.concatenate([results[live], np.zeros(len(dots), dtype=bool)]),
+        t.end,
+        copy,
+    )
 
 
 def _transposed_lhs(op: Op) -> bool:
@@ -126,7 +146,7 @@ def _transposed_lhs(op: Op) -> bool:
     if op.primitive != "dot_general" or op.operands[0] < 0:
         return False
     reduced = [op.factors[d[0]].kind is FactorKind.REDUCE for d in op.operand_dims[0] if d]
-    return any(r and not later for i, r in enumerate(reduced) for later in reduced[i + 1:])
+    return any(r and not later for i, r in enumerate(reduced) for later in reduced[i + 1 :])
 
 
 def _read_in_kernel(graph: Graph, t: Table, mat: np.ndarray, death: np.ndarray) -> None:
@@ -191,7 +211,9 @@ def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copi
     if held is not None and held.any():
         death = np.where(held, np.maximum(death, life.birth[held].max()), death)
     t_birth, t_death, t_size = life.birth[temp], death[temp], sizes[temp]
-    profile = np.cumsum(np.bincount(t_birth, t_size, slots) - np.bincount(t_death + 1, t_size, slots))[: max(life.end, 1)]
+    profile = np.cumsum(np.bincount(t_birth, t_size, slots) - np.bincount(t_death + 1, t_size, slots))[
+        : max(life.end, 1)
+    ]
     times = np.argpartition(-profile, min(CANDIDATE_TIMES, len(profile) - 1))[:CANDIDATE_TIMES]
     r_birth, r_size = life.birth[life.result], sizes[life.result]
     heap = 0.0

@@ -2,11 +2,13 @@
 its predicted cost. Devices are bound last (`Plan.bind`), so one plan serves every restart on a mesh
 of the same shape, and plans travel as JSON between the controller and the hosts.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -64,7 +66,11 @@ class Plan:
 
     def describe(self) -> str:
         axes = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
-        used = f"{self.devices_used} of {self.devices} devices" if self.devices_used != self.devices else f"{self.devices} devices"
+        used = (
+            f"{self.devices_used} of {self.devices} devices"
+            if self.devices_used != self.devices
+            else f"{self.devices} devices"
+        )
         return f"mesh {axes} ({used})"
 
     # -- binding ---------------------------------------------------------------------------
@@ -126,7 +132,7 @@ class Plan:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Plan":
+    def from_dict(cls, d: Mapping) -> Plan:
         if d.get("format") != FORMAT:
             raise ValueError(f"expected a plan with format {FORMAT!r}, got {d.get('format')!r}")
         return cls(
@@ -140,7 +146,7 @@ class Plan:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
 

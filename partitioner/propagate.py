@@ -19,11 +19,12 @@ axes); an operand whose given sharding differs from what the op's factors ask mu
 except a value computed from literals alone, and a scatter-add into such a value (a lookup's
 gradient), which is made in the layout asked for by moving its indices and updates.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Collection, Mapping
+from collections.abc import Collection, Mapping
 
 from .ir import ELEMENTWISE, FactorKind, Graph, Op
 
@@ -49,8 +50,14 @@ class Propagation:
         return self.shardings.get(value, ((),) * rank)
 
 
-def propagate(graph: Graph, annotations: Mapping[int, Sharding], mesh: Mapping[str, int], *, first: Collection[int] = (),
-              max_sweeps: int = 8) -> Propagation:
+def propagate(
+    graph: Graph,
+    annotations: Mapping[int, Sharding],
+    mesh: Mapping[str, int],
+    *,
+    first: Collection[int] = (),
+    max_sweeps: int = 8,
+) -> Propagation:
     """`annotations`: value id -> sharding (inputs, usually: parameters and batch). Annotated values
     keep their sharding; the rest are filled in. Annotations named in `first` (the batch) spread
     alone before the others join, as a higher priority: where a weight's FSDP split and the
@@ -99,8 +106,19 @@ def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Shardi
                 for op in order:
                     if op.id in dirty:
                         dirty.discard(op.id)
-                        for v in _step(graph, op, info[op.id], shardings, fixed, factor_axes[op.id], claims[op.id], mesh,
-                                       sweep % 2 == 0, strict, takeovers):
+                        for v in _step(
+                            graph,
+                            op,
+                            info[op.id],
+                            shardings,
+                            fixed,
+                            factor_axes[op.id],
+                            claims[op.id],
+                            mesh,
+                            sweep % 2 == 0,
+                            strict,
+                            takeovers,
+                        ):
                             changed.add(v)
                             dirty.update(touching[v])  # only ops that see a changed value can change anything
                 if not changed:
@@ -141,27 +159,47 @@ def _op_info(graph: Graph) -> list[_OpInfo]:
             fwd = tuple(zip(op.operands, op.operand_dims)) + tuple(zip(op.results, op.result_dims))
             bwd = tuple(zip(op.results, op.result_dims)) + tuple(zip(op.operands, op.operand_dims))
             size = lambda v: graph.values[v].nbytes if v >= 0 else 0
-            ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))
+            ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))  # noqa: B023 (called within the iteration)
             by_size = ranked(fwd)
             carried: dict[int, int] = {}
             for v, dims in zip(op.operands, op.operand_dims):
                 for factors in dims:
                     for f in factors:
                         carried[f] = max(carried.get(f, 0), size(v))
-            out.append(_OpInfo(fwd, bwd, by_size, ranked(bwd), by_size[0][2] if by_size else 0, op.primitive in _BROADCASTING,
-                               carried))
+            out.append(
+                _OpInfo(
+                    fwd,
+                    bwd,
+                    by_size,
+                    ranked(bwd),
+                    by_size[0][2] if by_size else 0,
+                    op.primitive in _BROADCASTING,
+                    carried,
+                )
+            )
         graph._op_info = out
     return graph._op_info
 
 
-def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict, claims: dict, mesh, forward: bool,
-          strict: bool, takeovers: list) -> list[int]:
+def _step(
+    graph: Graph,
+    op: Op,
+    info: _OpInfo,
+    shardings,
+    fixed,
+    assigned: dict,
+    claims: dict,
+    mesh,
+    forward: bool,
+    strict: bool,
+    takeovers: list,
+) -> list[int]:
     # The largest values choose first, and in the first (strict) pass a value broadcast into a
     # larger elementwise op chooses nothing: a layer norm's sharded scale must not split the
     # activations it scales along the hidden dimension before the batch's sharding arrives
     # (GSPMD likewise propagates through broadcasts last).
     gated = strict and info.broadcasting
-    for value, dims, nbytes in (info.by_size if forward else info.by_size_backward):
+    for value, dims, nbytes in info.by_size if forward else info.by_size_backward:
         if value not in shardings or (gated and nbytes < info.largest):
             continue
         for axes, factors in zip(shardings[value], dims):
@@ -183,7 +221,7 @@ def _step(graph: Graph, op: Op, info: _OpInfo, shardings, fixed, assigned: dict,
     if not assigned:
         return []
     changed = []
-    for value, dims in (info.forward if forward else info.backward):
+    for value, dims in info.forward if forward else info.backward:
         if value < 0 or value in fixed:
             continue
         shape = graph.values[value].shape
@@ -217,8 +255,11 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
     constant = _constants(graph)
     # A scatter-add into a constant buffer (an embedding's or a label lookup's gradient) is
     # made in whatever layout its reader wants by moving its small indices and updates instead.
-    scattered = {op.results[0]: [v for v in op.operands if v >= 0 and v not in constant] for op in graph.ops
-                 if op.primitive == "scatter-add" and op.operands[0] in constant}
+    scattered = {
+        op.results[0]: [v for v in op.operands if v >= 0 and v not in constant]
+        for op in graph.ops
+        if op.primitive == "scatter-add" and op.operands[0] in constant
+    }
     for op in graph.ops:
         assigned = factor_axes[op.id]
         for f, axes in assigned.items():
@@ -227,15 +268,21 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
                     # A result split over the reduced axes needs only its own part of the sums.
                     split = {a for dim in shardings.get(value, ()) for a in dim}
                     kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                    out.append(Communication(op.id, kind, value, axes, _per_device_bytes(graph, value, shardings, mesh)))
+                    out.append(
+                        Communication(op.id, kind, value, axes, _per_device_bytes(graph, value, shardings, mesh))
+                    )
         for value, dims in zip(op.operands, op.operand_dims):
             if value < 0 or value not in shardings or value in constant:  # computed in any layout, for free
                 continue
-            for d, (axes, factors) in enumerate(zip(shardings[value], dims)):
+            for _d, (axes, factors) in enumerate(zip(shardings[value], dims)):
                 want = assigned.get(factors[0], ()) if factors else ()
                 if axes and tuple(axes) != tuple(want):
                     for moved in scattered.get(value, [value]):
-                        out.append(Communication(op.id, "reshard", moved, tuple(axes), _per_device_bytes(graph, moved, shardings, mesh)))
+                        out.append(
+                            Communication(
+                                op.id, "reshard", moved, tuple(axes), _per_device_bytes(graph, moved, shardings, mesh)
+                            )
+                        )
                     break
     return out
 

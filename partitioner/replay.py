@@ -12,11 +12,13 @@ match, and every later one, is built op by op.
 A compact graph keeps the replayed copies as `Graph.copies`; `expand` rebuilds their ops, which
 are exactly the ops capture would have built one by one.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
@@ -53,8 +55,10 @@ def blocks(eqns: Sequence[Any], repeats) -> list[tuple[int, int, int]]:
     """(start, period, count) of runs of at least three identical-looking blocks of equations
     (primitive, operand count and first result's shape; `Template.match` checks the rest)."""
     ids: dict[tuple, int] = {}
-    seq = [ids.setdefault((e.primitive, len(e.invars), e.outvars[0].aval.shape if e.outvars else None), len(ids))
-           for e in eqns]
+    seq = [
+        ids.setdefault((e.primitive, len(e.invars), e.outvars[0].aval.shape if e.outvars else None), len(ids))
+        for e in eqns
+    ]
     anchor = [e.primitive.name == "dot_general" for e in eqns]
     return [(r.start, r.period, r.count) for r in repeats(seq, anchor, 3, MIN_PERIOD)]
 
@@ -86,8 +90,11 @@ class Template:
         op_reads = np.array([v for op in ops for v in op[1] if v >= 0 and not start <= v < stop], dtype=np.int64)
         # Replayable: everything it binds is made inside it (no result passed straight through
         # from outside) and its ops read from outside only through its equations' operands.
-        self.ok = bool(len(ops)) and bool(((self.out_ids >= start) & (self.out_ids < stop)).all()) \
+        self.ok = (
+            bool(len(ops))
+            and bool(((self.out_ids >= start) & (self.out_ids < stop)).all())
             and bool(np.isin(op_reads, self.free).all())
+        )
 
     def match(self, eqns: Sequence[Any], env: dict, start: int) -> np.ndarray | None:
         """The values copy `eqns` (whose values would start at id `start`) reads in place of the
@@ -97,10 +104,14 @@ class Template:
         outs = [v for e in eqns for v in e.outvars]
         ins = [a for e in eqns for a in e.invars]
         avals = [v.aval for v in outs]
-        if ([a.shape for a in avals] != self.shapes or [a.dtype for a in avals] != self.dtypes or len(ins) != self.n_in
-                or any(type(ins[i]) is not jcore.Literal for i in self.literal_at)
-                or [a.aval.shape for a in self._free(ins)] != self.free_shapes
-                or any(eqns[i].params != p for i, p in self.params)):
+        if (
+            [a.shape for a in avals] != self.shapes
+            or [a.dtype for a in avals] != self.dtypes
+            or len(ins) != self.n_in
+            or any(type(ins[i]) is not jcore.Literal for i in self.literal_at)
+            or [a.aval.shape for a in self._free(ins)] != self.free_shapes
+            or any(eqns[i].params != p for i, p in self.params)
+        ):
             return None
         shift = start - self.values[0]
         env.update(zip(outs, (self.out_ids + shift).tolist()))
@@ -167,7 +178,11 @@ class Replay:
                     need.update(op[1])
             reads = np.array([v for j in live for v in self.template.ops[j][1] if v >= 0], dtype=np.int64)
             inside = (reads >= start) & (reads < stop)
-            self._memo[wanted] = (tuple(reversed(live)), reads[inside], np.searchsorted(self.template.free, reads[~inside]))
+            self._memo[wanted] = (
+                tuple(reversed(live)),
+                reads[inside],
+                np.searchsorted(self.template.free, reads[~inside]),
+            )
         return self._memo[wanted]
 
     def expand(self) -> list[tuple]:
@@ -182,5 +197,10 @@ class Replay:
         return out
 
     def copies(self, template_ids: list[int]) -> Copies:
-        return Copies(template_ids, self.template.values, list(self.shifts), self.template.free,
-                      np.array(self.free_ids, dtype=np.int64).reshape(len(self.shifts), len(self.template.free)))
+        return Copies(
+            template_ids,
+            self.template.values,
+            list(self.shifts),
+            self.template.free,
+            np.array(self.free_ids, dtype=np.int64).reshape(len(self.shifts), len(self.template.free)),
+        )

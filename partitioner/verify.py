@@ -6,12 +6,14 @@ uses, beside the plan's own prediction.
     >>> v = partitioner.verify(plan, step, state, batch)
     >>> print(v.table())
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -19,9 +21,28 @@ from .hardware import Hardware, latency_steps, profile
 from .plan import Plan
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
+_LINE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\("
+)
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
@@ -55,12 +76,20 @@ class Verification:
 
     def table(self) -> str:
         p = self.predicted
-        rows = [("", "predicted", "compiled"),
-                ("compute s", f"{p.compute_seconds:.3g}", f"{self.compute_seconds:.3g}"),
-                ("communication s", f"{p.communication_seconds:.3g}", f"{self.communication_seconds:.3g}"),
-                ("peak bytes/device", f"{self.predicted_peak_bytes:,}", f"{self.peak_bytes:,}")]
+        rows = [
+            ("", "predicted", "compiled"),
+            ("compute s", f"{p.compute_seconds:.3g}", f"{self.compute_seconds:.3g}"),
+            ("communication s", f"{p.communication_seconds:.3g}", f"{self.communication_seconds:.3g}"),
+            ("peak bytes/device", f"{self.predicted_peak_bytes:,}", f"{self.peak_bytes:,}"),
+        ]
         for kind in sorted(set(p.collective_bytes) | set(self.collective_bytes)):
-            rows.append((f"{kind} bytes", f"{int(p.collective_bytes.get(kind, 0)):,}", f"{self.collective_bytes.get(kind, 0):,}"))
+            rows.append(
+                (
+                    f"{kind} bytes",
+                    f"{int(p.collective_bytes.get(kind, 0)):,}",
+                    f"{self.collective_bytes.get(kind, 0):,}",
+                )
+            )
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{a:<{width}}  {b:>16}  {c:>16}" for a, b, c in rows)
 
@@ -74,14 +103,20 @@ def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=Non
     if len(devices) < plan.devices_used:
         raise VerifyDevicesError(
             f"verifying a plan for {plan.devices_used} devices needs that many, got {len(devices)}; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={plan.devices_used} before importing jax")
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={plan.devices_used} before importing jax"
+        )
     hw = profile(hardware)
     compiled = plan.jit(fn, args, devices).lower(*args).compile()
     collectives = tuple(parse_collectives(compiled.as_text()))
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     memory = compiled.memory_analysis()
-    peak = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
+    peak = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
     comm = sum(_seconds(c, hw, plan.mesh) * c.count for c in collectives)
     flops = float(analysis.get("flops", 0.0))
     cpu = devices[0].platform == "cpu" and plan.cost.cpu_peak_bytes_per_device is not None
@@ -108,7 +143,7 @@ def parse_collectives(hlo: str) -> list[Collective]:
         shape = m.group("shape")
         arrays = _ARRAY.findall(shape)
         if m.group("start") and m.group("kind") in ("all-gather", "collective-permute") and len(arrays) > 1:
-            arrays = arrays[len(arrays) // 2:]  # (operands, results): the results
+            arrays = arrays[len(arrays) // 2 :]  # (operands, results): the results
         sizes = [_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in arrays]
         p, span, count, text = _group_size(line), _group_span(line), runs.get(computation, 1), line.strip()[:160]
         sliced = scattered.get(_name(line), set()) if m.group("kind") == "all-reduce" and p > 1 else set()
@@ -147,21 +182,23 @@ def _parse_instructions(hlo: str):
         m = _INSTRUCTION.match(line)
         if not m:
             continue
-        rest = line[m.end():]
+        rest = line[m.end() :]
         if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
             depth = 0
-            for i, ch in enumerate(rest):
+            for i, ch in enumerate(rest):  # noqa: B007 (i is read after the loop)
                 depth += ch == "("
                 depth -= ch == ")"
                 if depth == 0:
                     break
-            shape, rest = rest[: i + 1], rest[i + 1:].lstrip()
+            shape, rest = rest[: i + 1], rest[i + 1 :].lstrip()
         else:
             shape, _, rest = rest.partition(" ")
         opcode, _, tail = rest.partition("(")
         args, _, attrs = tail.partition(")")
         array = _ARRAY.match(shape)
-        elements = math.prod(int(d) for d in array.group(2).split(",") if d) if array and not shape.startswith("(") else None
+        elements = (
+            math.prod(int(d) for d in array.group(2).split(",") if d) if array and not shape.startswith("(") else None
+        )
         ops[m.group(1)] = (opcode, re.findall(r"%([\w.\-]+)", args), elements, attrs)
         if opcode == "parameter":
             params.setdefault(computation, {})[int(args)] = m.group(1)
@@ -186,8 +223,15 @@ def _scattered_elements(hlo: str) -> dict[str, set[int]]:
             if opcode == "all-reduce-done" and sliced(r, elements, p):  # an async pair: its readers read the done
                 continue
             callee = re.search(r"calls=%([\w.\-]+)", attrs)
-            if opcode == "fusion" and callee and all(
-                    sliced(params.get(callee.group(1), {}).get(k, ""), elements, p) for k, o in enumerate(operands) if o == value):
+            if (
+                opcode == "fusion"
+                and callee
+                and all(
+                    sliced(params.get(callee.group(1), {}).get(k, ""), elements, p)
+                    for k, o in enumerate(operands)
+                    if o == value
+                )
+            ):
                 continue
             return False
         return bool(readers)
@@ -272,7 +316,7 @@ def _mesh_groups(line: str):
     size, span = 1, 1
     for i, (name, n) in enumerate(axes):
         if name in chosen:
-            stride = math.prod(v for _, v in axes[i + 1:])
+            stride = math.prod(v for _, v in axes[i + 1 :])
             size *= n
             span += (n - 1) * stride
     return size, span

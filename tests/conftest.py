@@ -1,6 +1,7 @@
 """Test tiers (markers in pyproject.toml). Fake devices must be configured before jax is imported,
 and pytest imports this file first, so the whole test process gets 8 fake CPU devices. Ray host
 actors set their own device count through their runtime environment."""
+
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

@@ -1,6 +1,7 @@
 """The checkpoint store on 8 fake devices: exact resharding matrix, mapping rules, dtype policy,
 plain Orbax layouts, retention and integrity. Crash and multi-process tiers are in
 test_checkpoint_crash.py and test_checkpoint_multiprocess.py."""
+
 import json
 import os
 
@@ -10,10 +11,20 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from checkpoint import (Cast, CheckpointCorruptError, CheckpointNotFoundError, CheckpointTargetError, Rename, Stack,
-                        Store, StoreConfig, Unstack)
+from checkpoint import (
+    Cast,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointTargetError,
+    Rename,
+    Stack,
+    Store,
+    StoreConfig,
+    Unstack,
+)
 
 pytestmark = pytest.mark.fake_devices
 
@@ -25,7 +36,12 @@ def make_state():
     rng = np.random.default_rng(0)
     normal = lambda *s: rng.standard_normal(s).astype(np.float32)
     return {
-        "params": {"w": normal(48, 72), "emb": normal(96, 24).astype(ml_dtypes.bfloat16), "b": normal(72), "odd": normal(5, 7)},
+        "params": {
+            "w": normal(48, 72),
+            "emb": normal(96, 24).astype(ml_dtypes.bfloat16),
+            "b": normal(72),
+            "odd": normal(5, 7),
+        },
         "opt": {"count": np.int32(7), "mu": {"w": normal(48, 72)}},
         "rng": np.array([1, 2], np.uint32),
     }
@@ -56,7 +72,12 @@ def spec_for(kind, shape, mesh):
 
 def target(state, devices, kind):
     mesh = mesh_for(devices, kind)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, spec_for(kind, np.shape(x), mesh))), state)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), x.dtype, sharding=NamedSharding(mesh, spec_for(kind, np.shape(x), mesh))
+        ),
+        state,
+    )
 
 
 def place(state, devices, kind):
@@ -93,7 +114,7 @@ def test_metadata_is_versioned_json_with_leaves_and_saved_sharding(tmp_path, dev
     with open(tmp_path / "3" / "remesh.json") as f:
         doc = json.load(f)
     assert doc["format"] == "remesh.checkpoint/2" and doc["step"] == 3 and doc["meta"]["program_fingerprint"] == "abc"
-    leaves = {l["path"]: l for l in doc["leaves"]}
+    leaves = {leaf["path"]: leaf for leaf in doc["leaves"]}
     assert leaves["params/w"]["shape"] == [48, 72] and leaves["params/w"]["dtype"] == "float32"
     assert leaves["params/w"]["sharding"] == {"mesh": {"x": 8}, "spec": ["x", None]}
     assert leaves["params/emb"]["dtype"] == "bfloat16"
@@ -110,7 +131,10 @@ def test_target_mismatch_and_missing_steps_say_what_is_wrong(tmp_path, devices8)
     store.wait()
     bad = target(state, devices8, "dp")
     bad["params"]["w"] = jax.ShapeDtypeStruct((48, 70), np.float32)
-    with pytest.raises(CheckpointTargetError, match=r"leaf params/w: the target asks for shape \[48, 70\] but params/w was saved with shape \[48, 72\]"):
+    with pytest.raises(
+        CheckpointTargetError,
+        match=r"leaf params/w: the target asks for shape \[48, 70\] but params/w was saved with shape \[48, 72\]",
+    ):
         store.restore(target=bad)
     extra = dict(target(state, devices8, "dp"), new=jax.ShapeDtypeStruct((2,), np.float32))
     with pytest.raises(CheckpointTargetError, match=r"leaf new is not in the checkpoint.*include=.*rules="):
@@ -139,7 +163,9 @@ def test_dtype_policy_casts_only_when_asked_and_never_between_kinds(tmp_path, de
     store.wait()
     sharding = NamedSharding(mesh_for(devices8[:2], "fsdp"), P("x"))
     to_bf16 = {"params": {"w": jax.ShapeDtypeStruct((48, 72), jnp.bfloat16, sharding=sharding)}}
-    with pytest.raises(CheckpointTargetError, match=r"params/w: saved as float32, the target asks for bfloat16; pass cast=Cast.LOSSY"):
+    with pytest.raises(
+        CheckpointTargetError, match=r"params/w: saved as float32, the target asks for bfloat16; pass cast=Cast.LOSSY"
+    ):
         store.restore(target=to_bf16, include=["params/w"])
     got = store.restore(target=to_bf16, include=["params/w"], cast=Cast.LOSSY)["params"]["w"]
     assert_bitwise(got, state["params"]["w"].astype(ml_dtypes.bfloat16))
@@ -155,8 +181,13 @@ def test_dtype_policy_casts_only_when_asked_and_never_between_kinds(tmp_path, de
 
 def layered(n_layers=4):
     rng = np.random.default_rng(1)
-    return {f"layer_{i}": {"w": rng.standard_normal((24, 48)).astype(np.float32), "b": rng.standard_normal(48).astype(np.float32)}
-            for i in range(n_layers)}
+    return {
+        f"layer_{i}": {
+            "w": rng.standard_normal((24, 48)).astype(np.float32),
+            "b": rng.standard_normal(48).astype(np.float32),
+        }
+        for i in range(n_layers)
+    }
 
 
 def test_renamed_and_restacked_leaves_map_at_load_time(tmp_path, devices8):
@@ -167,9 +198,16 @@ def test_renamed_and_restacked_leaves_map_at_load_time(tmp_path, devices8):
     store.wait()
     # Unrolled -> scanned: one (layers, ...) leaf per parameter, sharded across layers x model on 6 devices.
     mesh6 = mesh_for(devices8[:6], "2d")
-    stacked_target = {"model": {"layers": {
-        "w": jax.ShapeDtypeStruct((4, 24, 48), np.float32, sharding=NamedSharding(mesh6, P(None, "data", "model"))),
-        "b": jax.ShapeDtypeStruct((4, 48), np.float32, sharding=NamedSharding(mesh6, P("model", "data")))}}}
+    stacked_target = {
+        "model": {
+            "layers": {
+                "w": jax.ShapeDtypeStruct(
+                    (4, 24, 48), np.float32, sharding=NamedSharding(mesh6, P(None, "data", "model"))
+                ),
+                "b": jax.ShapeDtypeStruct((4, 48), np.float32, sharding=NamedSharding(mesh6, P("model", "data"))),
+            }
+        }
+    }
     rules = [Stack(r"model/layers/(?P<name>\w+)", "params/layer_{i}/{name}")]
     stacked = store.restore(target=stacked_target, rules=rules)
     assert_bitwise(stacked["model"]["layers"]["w"], np.stack([per_layer[f"layer_{i}"]["w"] for i in range(4)]))
@@ -178,14 +216,29 @@ def test_renamed_and_restacked_leaves_map_at_load_time(tmp_path, devices8):
     scanned = Store(tmp_path / "scanned")
     scanned.save(2, stacked)
     scanned.wait()
-    target = {"net": {f"block{i}": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh_for(devices8[:3], "tp"), P(None, "x") if v.ndim == 2 else P("x")))
-                                   for k, v in per_layer["layer_0"].items()} for i in range(4)}}
-    unrolled = scanned.restore(target=target, rules=[Unstack(r"net/block(?P<i>\d+)/(?P<name>\w+)", "model/layers/{name}")])
+    target = {
+        "net": {
+            f"block{i}": {
+                k: jax.ShapeDtypeStruct(
+                    v.shape,
+                    v.dtype,
+                    sharding=NamedSharding(mesh_for(devices8[:3], "tp"), P(None, "x") if v.ndim == 2 else P("x")),
+                )
+                for k, v in per_layer["layer_0"].items()
+            }
+            for i in range(4)
+        }
+    }
+    unrolled = scanned.restore(
+        target=target, rules=[Unstack(r"net/block(?P<i>\d+)/(?P<name>\w+)", "model/layers/{name}")]
+    )
     for i in range(4):
         assert_bitwise(unrolled["net"][f"block{i}"]["w"], per_layer[f"layer_{i}"]["w"])
         assert_bitwise(unrolled["net"][f"block{i}"]["b"], per_layer[f"layer_{i}"]["b"])
-    renamed = store.restore(target={"p": {"l0": {"w": jax.ShapeDtypeStruct((24, 48), np.float32)}}},
-                            rules=[Rename(r"p/l(?P<i>\d)/(?P<k>\w+)", "params/layer_{i}/{k}")])
+    renamed = store.restore(
+        target={"p": {"l0": {"w": jax.ShapeDtypeStruct((24, 48), np.float32)}}},
+        rules=[Rename(r"p/l(?P<i>\d)/(?P<k>\w+)", "params/layer_{i}/{k}")],
+    )
     assert_bitwise(renamed["p"]["l0"]["w"], per_layer["layer_0"]["w"])
 
 
@@ -194,7 +247,13 @@ def test_prng_key_leaves_round_trip(tmp_path, devices8):
     store = Store(tmp_path)
     store.save(1, {"keys": jax.device_put(key, NamedSharding(mesh_for(devices8, "fsdp"), P("x")))})
     store.wait()
-    got = store.restore(target={"keys": jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh_for(devices8[:4], "fsdp"), P("x")))})
+    got = store.restore(
+        target={
+            "keys": jax.ShapeDtypeStruct(
+                key.shape, key.dtype, sharding=NamedSharding(mesh_for(devices8[:4], "fsdp"), P("x"))
+            )
+        }
+    )
     assert_bitwise(jax.random.key_data(got["keys"]), jax.random.key_data(key))
 
 
@@ -214,8 +273,12 @@ def test_plain_orbax_checkpoints_restore_onto_a_remesh_plan(tmp_path, devices8, 
         if layout == "manager":
             manager.save(step, args=ocp.args.StandardSave(placed))
         else:  # what remesh 0.1 wrote: items `state` and `meta` of one CheckpointManager step
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(placed),
-                                                       meta=ocp.args.JsonSave({"meta": {"data_position": 12}})))
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(placed), meta=ocp.args.JsonSave({"meta": {"data_position": 12}})
+                ),
+            )
         manager.wait_until_finished()
         manager.close()
     store = Store(path)
@@ -249,7 +312,9 @@ def test_save_returns_after_the_host_copy_so_the_state_may_be_donated(tmp_path, 
     store.save(1, {"x": x})
     x.delete()  # as a donated buffer would be, while the write may still be going on
     store.wait()
-    assert_bitwise(store.restore(target={"x": jax.ShapeDtypeStruct((4096,), np.float32)})["x"], np.arange(4096, dtype=np.float32))
+    assert_bitwise(
+        store.restore(target={"x": jax.ShapeDtypeStruct((4096,), np.float32)})["x"], np.arange(4096, dtype=np.float32)
+    )
 
 
 def chunk_files(step_dir):
@@ -263,12 +328,14 @@ def test_corruption_names_the_leaf_and_chunk_and_verify_reports_it(tmp_path, dev
     store.save(1, place(state, devices8, "fsdp"))
     store.wait()
     doc, files = chunk_files(tmp_path / "1")
-    w = next(l for l in doc["leaves"] if l["path"] == "params/w")
+    w = next(leaf for leaf in doc["leaves"] if leaf["path"] == "params/w")
     victim = tmp_path / "1" / next(f for f in files if f.startswith(f"arrays/{w['array']}/"))
     data = bytearray(victim.read_bytes())
     data[10] ^= 0x40
     victim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorruptError, match=r"leaf params/w, chunk \(0, 0\) in file arrays/\d+/c/0/0 failed its checksum"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"leaf params/w, chunk \(0, 0\) in file arrays/\d+/c/0/0 failed its checksum"
+    ):
         store.restore(target=target(state, devices8[:2], "tp"))
     report = store.verify(1)
     assert not report.ok and len(report.problems) == 1 and "params/w" in report.problems[0]
@@ -331,7 +398,9 @@ def test_a_resharded_restore_reads_each_needed_byte_once(tmp_path, devices8):
     store.wait()
     # Row-sharded 8 ways when saved; column halves, each replicated on 3 devices, when restored.
     mesh = mesh_for(devices8[:6], "2d")
-    restored = store.restore(target={"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P(None, "model")))})
+    restored = store.restore(
+        target={"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P(None, "model")))}
+    )
     assert_bitwise(restored["w"], w)
     stats = store.last_restore
     assert stats.bytes_needed == w.nbytes and 1.0 <= stats.read_amplification <= 1.02, stats

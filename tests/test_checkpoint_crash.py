@@ -2,6 +2,7 @@
 moments (in the host copy, the background write, the commit, or retention), 50 times; every time,
 the newest committed step restores bitwise and verifies, and no committed step newer than the
 one before the kill is lost."""
+
 import os
 import signal
 import subprocess
@@ -23,8 +24,14 @@ TRIALS = 50
 
 def start_saver(path, step: int) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    return subprocess.Popen([sys.executable, "-m", "tests.helpers.ckpt_process", "loop", "0", "1", "0", str(path), "fsdp", str(step)],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.ckpt_process", "loop", "0", "1", "0", str(path), "fsdp", str(step)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_sigkill_at_random_points_never_loses_the_latest_committed_step(tmp_path):
@@ -41,7 +48,9 @@ def test_sigkill_at_random_points_never_loses_the_latest_committed_step(tmp_path
         steps = store.steps()
         if steps:
             latest = steps[-1]
-            assert latest >= latest_before, f"trial {trial}: step {latest_before} was committed, now the newest is {latest}"
+            assert latest >= latest_before, (
+                f"trial {trial}: step {latest_before} was committed, now the newest is {latest}"
+            )
             partials = {n for n in os.listdir(tmp_path) if ".partial" in n}
             kills_with_saves_in_flight += bool(partials - seen)
             seen |= partials
@@ -49,7 +58,9 @@ def test_sigkill_at_random_points_never_loses_the_latest_committed_step(tmp_path
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), want)
             got = store.restore(latest, target=target)
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), f"trial {trial}: step {latest} restored wrong bytes"
+                assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), (
+                    f"trial {trial}: step {latest} restored wrong bytes"
+                )
             report = store.verify(latest)
             assert report.ok, f"trial {trial}: {report.problems}"
             latest_before = latest

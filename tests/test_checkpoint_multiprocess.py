@@ -1,6 +1,7 @@
 """Checkpoints across processes: saved by 2 processes x 2 devices, restored by 3 processes x 2
 devices on another plan, each process checking its own shards bitwise (real jax.distributed
 groups with Gloo on localhost)."""
+
 import json
 import os
 import socket
@@ -21,12 +22,35 @@ def free_port() -> int:
 
 
 def run_group(role: str, processes: int, devices_per_process: int, path, kind: str, step: int) -> list[dict]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+    )
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.ckpt_process", role, str(p), str(processes), str(port),
-                               str(path), kind, str(step)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for p in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.ckpt_process",
+                role,
+                str(p),
+                str(processes),
+                str(port),
+                str(path),
+                kind,
+                str(step),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in range(processes)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=180)

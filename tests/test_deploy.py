@@ -1,4 +1,5 @@
 """deploy/ checked against the code: images, entrypoints, resource names, ports and metric names."""
+
 import json
 import os
 import re
@@ -7,7 +8,6 @@ import tomllib
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -102,8 +102,11 @@ def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(nam
 def test_prometheus_scrapes_the_metrics_port_and_restores_remesh_names():
     with open(os.path.join(DEPLOY, "prometheus", "prometheus.yml")) as f:
         config = yaml.safe_load(f)
-    ports = {g["rayStartParams"]["metrics-export-port"] for n in MANIFESTS
-             for g in [cluster_spec(load(n))["headGroupSpec"], *cluster_spec(load(n))["workerGroupSpecs"]]}
+    ports = {
+        g["rayStartParams"]["metrics-export-port"]
+        for n in MANIFESTS
+        for g in [cluster_spec(load(n))["headGroupSpec"], *cluster_spec(load(n))["workerGroupSpecs"]]
+    }
     assert ports == {"8080"}
     for n in MANIFESTS:
         for c in containers(cluster_spec(load(n))):
@@ -131,8 +134,17 @@ def test_grafana_dashboard_shows_the_built_in_pages_figures_with_metric_names_fr
     assert used <= set(METRICS), used - set(METRICS)
     # The dashboard page's figures: tokens/s, MFU, goodput and its badput, loss, per-host step
     # times, resizes (devices) and host losses.
-    assert {"remesh_tokens_per_second", "remesh_mfu", "remesh_goodput_ratio", "remesh_badput_seconds", "remesh_loss",
-            "remesh_step_seconds", "remesh_wait_seconds", "remesh_devices", "remesh_host_losses_total"} <= used
+    assert {
+        "remesh_tokens_per_second",
+        "remesh_mfu",
+        "remesh_goodput_ratio",
+        "remesh_badput_seconds",
+        "remesh_loss",
+        "remesh_step_seconds",
+        "remesh_wait_seconds",
+        "remesh_devices",
+        "remesh_host_losses_total",
+    } <= used
     step_panel = next(p for p in dashboard["panels"] if "remesh_step_seconds" in p["targets"][0]["expr"])
     assert "{{host}}" in step_panel["targets"][0]["legendFormat"]  # per host, so a straggler stands out
     ids = [p["id"] for p in dashboard["panels"]]

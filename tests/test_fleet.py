@@ -1,4 +1,5 @@
 """The fleet store: SQLite shared by several jobs on several clusters, written concurrently."""
+
 import multiprocessing
 import time
 
@@ -13,8 +14,19 @@ def write_job(path, name, cluster, steps):
     store = FleetStore(path)
     store.start_job(name, cluster=cluster, steps=steps)
     for i in range(1, steps + 1):
-        rows = [{"segment": 1, "host": h, "step": i, "at": time.time(), "loss": 1.0 / i, "seconds": 0.1,
-                 "tokens_per_second": 100.0 + h, "mfu": 0.4} for h in range(2)]
+        rows = [
+            {
+                "segment": 1,
+                "host": h,
+                "step": i,
+                "at": time.time(),
+                "loss": 1.0 / i,
+                "seconds": 0.1,
+                "tokens_per_second": 100.0 + h,
+                "mfu": 0.4,
+            }
+            for h in range(2)
+        ]
         events = [{"kind": "checkpoint", "step": i, "at": time.time(), "seconds": 0.01}] if i % 10 == 0 else []
         store.add(name, events=events, steps=rows)
         store.update_job(name, state="running", steps_completed=i, mesh={"data": 4}, goodput_ratio=0.5)
@@ -59,8 +71,20 @@ def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_pat
 
     store = FleetStore(str(tmp_path / "fleet.db"))
     store.start_job("long", cluster="c", steps=1000)
-    rows = [{"segment": 1 if i <= 333 else 2, "host": h, "step": i, "at": float(i), "loss": 1.0, "seconds": 0.1,
-             "tokens_per_second": 1.0, "mfu": 0.1} for i in range(1, 1001) for h in range(2)]
+    rows = [
+        {
+            "segment": 1 if i <= 333 else 2,
+            "host": h,
+            "step": i,
+            "at": float(i),
+            "loss": 1.0,
+            "seconds": 0.1,
+            "tokens_per_second": 1.0,
+            "mfu": 0.1,
+        }
+        for i in range(1, 1001)
+        for h in range(2)
+    ]
     store.add("long", steps=rows)
     full = job_detail(store, "long", points=5000)
     assert full["steps_every"] == 1 and len(full["steps"]) == 2000

@@ -2,15 +2,14 @@
 127.0.0.1, token authentication on): `remesh submit` a job, stop a worker node under it, watch
 `remesh status` throughout, scrape Ray's Prometheus endpoints for remesh's metrics, and stop a
 second job with `remesh stop`. The fleet store both jobs write is what the dashboard tests read."""
+
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 
 import pytest
-
 from conftest import ROOT
 from helpers.jobs import gpt_job
 from helpers.ray_start import RayStartCluster
@@ -23,8 +22,14 @@ DEADLINE_S = 420  # bounded: the whole scenario, not one poll
 
 
 def cli(cluster, *args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env or cluster.env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=ROOT,
+        env=env or cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def status(cluster, sid, store):
@@ -35,8 +40,18 @@ def status(cluster, sid, store):
 
 def submit(cluster, d, name, steps, *extra):
     (d / f"{name}.toml").write_text(gpt_job(name, steps, max_hosts=3, checkpoint_dir=f"ckpt-{name}"))
-    proc = cli(cluster, "submit", str(d / f"{name}.toml"), "--address", cluster.address, "--store", str(d / "fleet.db"),
-               "--summary", str(d / f"{name}.json"), *extra)
+    proc = cli(
+        cluster,
+        "submit",
+        str(d / f"{name}.toml"),
+        "--address",
+        cluster.address,
+        "--store",
+        str(d / "fleet.db"),
+        "--summary",
+        str(d / f"{name}.json"),
+        *extra,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1]
 
@@ -76,8 +91,14 @@ def fleet(tmp_path_factory):
                 break
             time.sleep(1.0)
         out["logs_a"] = cli(cluster, "logs", sid, "--address", cluster.address).stdout
-        out["no_token"] = cli(cluster, "status", sid, "--address", cluster.address,
-                              env={k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")})
+        out["no_token"] = cli(
+            cluster,
+            "status",
+            sid,
+            "--address",
+            cluster.address,
+            env={k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")},
+        )
         out["unknown"] = cli(cluster, "status", "no-such-job", "--address", cluster.address)
 
         sid_b = submit(cluster, d, "fleet-b", 2000)
@@ -87,7 +108,10 @@ def fleet(tmp_path_factory):
         out["stop"] = cli(cluster, "stop", sid_b, "--address", cluster.address)
         while time.monotonic() < deadline:
             out["b_status"] = status(cluster, sid_b, store)
-            if out["b_status"]["ray_status"] in ("STOPPED", "SUCCEEDED", "FAILED") and out["b_status"]["remesh"]["state"] == "stopped":
+            if (
+                out["b_status"]["ray_status"] in ("STOPPED", "SUCCEEDED", "FAILED")
+                and out["b_status"]["remesh"]["state"] == "stopped"
+            ):
                 break
             time.sleep(1.0)
         out["list"] = cli(cluster, "status", "--address", cluster.address, "--store", store).stdout
@@ -126,10 +150,17 @@ def test_status_tells_the_truth_throughout(fleet):
         if r.get("state") == "running" and r["steps_completed"]:
             assert r["devices"] == 2 * r["hosts"] and (killed or r["hosts"] == 3), s
     before = [s for killed, s in observed if not killed and s["remesh"].get("state") == "running"]
-    after = [s for killed, s in observed if killed and s["remesh"].get("state") == "running"
-             and s["remesh"]["steps_completed"] > fleet["killed_after"]]
+    after = [
+        s
+        for killed, s in observed
+        if killed and s["remesh"].get("state") == "running" and s["remesh"]["steps_completed"] > fleet["killed_after"]
+    ]
     assert before and all(s["remesh"]["hosts"] == 3 for s in before)
-    assert after and after[-1]["remesh"]["hosts"] == 2 and after[-1]["remesh"]["mesh"] in ({"data": 4}, {"data": 2, "model": 2})
+    assert (
+        after
+        and after[-1]["remesh"]["hosts"] == 2
+        and after[-1]["remesh"]["mesh"] in ({"data": 4}, {"data": 2, "model": 2})
+    )
     line = fleet["list"]
     assert re.search(r"fleet-a-\S+: SUCCEEDED\s+remesh finished\s+step 60/60", line), line
     assert re.search(r"fleet-b-\S+: STOPPED\s+remesh stopped", line), line
@@ -154,7 +185,10 @@ def test_metrics_reach_prometheus_through_ray_with_job_and_host_labels(fleet):
 
     text = fleet["metrics"]
     for name in ("remesh_step_seconds", "remesh_tokens_per_second", "remesh_mfu", "remesh_step"):
-        assert host_labels(text, name) == {"0", "1", "2"}, (name, [l for l in text.splitlines() if "remesh" in l][:20])
+        assert host_labels(text, name) == {"0", "1", "2"}, (
+            name,
+            [leaf for leaf in text.splitlines() if "remesh" in leaf][:20],
+        )
     assert re.search(r'^ray_remesh_goodput_ratio{[^}]*job="fleet-a"[^}]*} ', text, re.M), "controller metrics missing"
     assert re.search(r'^ray_remesh_devices{[^}]*job="fleet-a"[^}]*} 6\.0$', text, re.M), "devices gauge missing"
     exported = set(re.findall(r"^ray_(remesh_\w+?)(?:_total)?{", text, re.M))
@@ -250,8 +284,14 @@ def test_a_straggler_stands_out_in_the_per_host_figures(dashboard, fleet):
 
     steps = get_json(dashboard + "/api/jobs/fleet-a")["steps"]
     for segment in sorted({s["segment"] for s in steps}):
-        rows = [s for s in steps if s["segment"] == segment and s["step"] > min(r["step"] for r in steps if r["segment"] == segment)]
-        wait = {h: statistics.median(s["wait_seconds"] for s in rows if s["host"] == h) for h in {s["host"] for s in rows}}
+        rows = [
+            s
+            for s in steps
+            if s["segment"] == segment and s["step"] > min(r["step"] for r in steps if r["segment"] == segment)
+        ]
+        wait = {
+            h: statistics.median(s["wait_seconds"] for s in rows if s["host"] == h) for h in {s["host"] for s in rows}
+        }
         slowest_input = max(wait, key=lambda h: statistics.median(s["input_seconds"] for s in rows if s["host"] == h))
         assert slowest_input == STRAGGLER and min(wait, key=wait.get) == STRAGGLER, (segment, wait)
         # The others wait for the straggler's extra input time (0.3 s a step), less what they overlap.

@@ -5,8 +5,12 @@ from orchestrator import JobFileError, load_job, parse_job
 pytestmark = pytest.mark.unit
 
 GOOD = {
-    "name": "j", "program": "examples.gpt.model:program", "steps": 10, "global_batch": 8,
-    "hosts": {"min": 1, "max": 2, "devices_per_host": 2}, "checkpoint": {"dir": "ck", "every": 5},
+    "name": "j",
+    "program": "examples.gpt.model:program",
+    "steps": 10,
+    "global_batch": 8,
+    "hosts": {"min": 1, "max": 2, "devices_per_host": 2},
+    "checkpoint": {"dir": "ck", "every": 5},
 }
 
 
@@ -33,20 +37,23 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
     assert job.hosts.devices_per_host == 2
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"stepz": 3}, ["unknown key stepz"]),
-    ({"hosts__gpus": 3}, ["unknown key hosts.gpus"]),
-    ({"steps": "10"}, ["key steps must be int", "str"]),
-    ({"steps": True}, ["key steps must be int", "bool"]),
-    ({"checkpoint__every": 1.5}, ["checkpoint.every must be int"]),
-    ({"global_batch": None}, ["missing key global_batch"]),
-    ({"hosts": None}, ["missing table [hosts]"]),
-    ({"program": "no_colon"}, ["module:attribute", "no_colon"]),
-    ({"hosts__min": 3}, ["1 <= min <= max", "min=3 max=2"]),
-    ({"steps": 0}, ["steps must be positive"]),
-    ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
-    ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"stepz": 3}, ["unknown key stepz"]),
+        ({"hosts__gpus": 3}, ["unknown key hosts.gpus"]),
+        ({"steps": "10"}, ["key steps must be int", "str"]),
+        ({"steps": True}, ["key steps must be int", "bool"]),
+        ({"checkpoint__every": 1.5}, ["checkpoint.every must be int"]),
+        ({"global_batch": None}, ["missing key global_batch"]),
+        ({"hosts": None}, ["missing table [hosts]"]),
+        ({"program": "no_colon"}, ["module:attribute", "no_colon"]),
+        ({"hosts__min": 3}, ["1 <= min <= max", "min=3 max=2"]),
+        ({"steps": 0}, ["steps must be positive"]),
+        ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
+        ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
+    ],
+)
 def test_bad_job_files_name_the_key(changes, words):
     with pytest.raises(JobFileError) as e:
         parse_job(with_(**changes))

@@ -60,7 +60,8 @@ def test_bound_plan_computes_what_one_device_computes(gpt, devices8):
 
     program, state, batch = gpt
     plan = partitioner.Plan.from_json(  # as the hosts receive it
-        partitioner.plan(program.step, state, batch, devices=7, hardware="cpu").to_json())
+        partitioner.plan(program.step, state, batch, devices=7, hardware="cpu").to_json()
+    )
     real_state = program.init(jax.random.key(0))
     real_batch = program.batch(3, 24)
 
@@ -75,8 +76,9 @@ def test_bound_plan_computes_what_one_device_computes(gpt, devices8):
     # leaf agrees to float32 rounding of its own magnitude.
     mesh = plan.bind(devices8[:7])
     grad = jax.grad(lambda p, b: loss_fn(p, b, GPTConfig()))
-    sharded = jax.jit(grad, in_shardings=(plan.shardings(mesh, state, argnum=0)["params"],
-                                          plan.shardings(mesh, batch, argnum=1)))(real_state["params"], real_batch)
+    sharded = jax.jit(
+        grad, in_shardings=(plan.shardings(mesh, state, argnum=0)["params"], plan.shardings(mesh, batch, argnum=1))
+    )(real_state["params"], real_batch)
     reference = jax.jit(grad)(real_state["params"], real_batch)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(reference)):
         a, b = np.asarray(a), np.asarray(b)

@@ -1,6 +1,7 @@
 """The tactic search over the factor graph: Megatron recovered where weights are large, data
 parallelism where they are small, memory limits respected, experts considered; the chosen plan
 compiled on 8 fake devices does what the cost model predicted."""
+
 import math
 
 import jax
@@ -8,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from partitioner import PlanMemoryError, verify
 from examples.residual_mlp import residual_mlp
+from partitioner import PlanMemoryError, verify
 from partitioner.automap import search
 
 pytestmark = pytest.mark.fake_devices
@@ -83,13 +84,19 @@ def test_repeated_layers_share_the_first_layers_decisions():
     from examples.gpt.model import GPTConfig, make_program
     from orchestrator import check_program
 
-    program = make_program(GPTConfig(vocab=32768, seq_len=1024, d_model=8192, n_heads=64, n_layers=4, d_ff=32768, dropout=0.0))
+    program = make_program(
+        GPTConfig(vocab=32768, seq_len=1024, d_model=8192, n_heads=64, n_layers=4, d_ff=32768, dropout=0.0)
+    )
     state, batch = check_program(program, 8)
     plan, _ = search(program.step, state, batch, devices=8, hardware="h100")
     layers = plan.in_specs[0]["params"]["layers"]
     for layer in layers:  # one folded layer planned for all four
-        assert (layer["attn"]["wq"], layer["attn"]["wo"], layer["mlp"]["w1"], layer["mlp"]["w2"]) == \
-            (P(None, "model"), P("model"), P(None, "model"), P("model")), layer
+        assert (layer["attn"]["wq"], layer["attn"]["wo"], layer["mlp"]["w1"], layer["mlp"]["w2"]) == (
+            P(None, "model"),
+            P("model"),
+            P(None, "model"),
+            P("model"),
+        ), layer
 
 
 def test_the_moe_example_weighs_expert_parallelism_and_splits_experts():

@@ -1,12 +1,12 @@
 """Folding (TAP): a model's repeated layers, mirrored optimizer state and per-leaf update chains
 collapse onto one representative, so the search's graph does not grow with depth, and pricing the
 folded graph gives what pricing the unrolled one gives."""
+
 import pytest
 
 from examples.targets import gpt, mlp
 from partitioner.automap import _inputs, search
 from partitioner.cost import estimate
-from partitioner.fold import fold
 from partitioner.hardware import profile
 from partitioner.ir import capture
 from partitioner.propagate import propagate
@@ -31,7 +31,7 @@ def test_folded_pricing_matches_the_unrolled_graph():
     step, args = mlp(1024, 4096, 4, 4096)
     graph = capture(step, *args)
     inputs = _inputs(step, args, None)
-    leaves = graph.inputs[len(graph.inputs) - len(inputs.keys):]
+    leaves = graph.inputs[len(graph.inputs) - len(inputs.keys) :]
     mesh = {"data": 2, "seq": 1, "model": 4}
     w1 = [v for v, k in zip(leaves, inputs.keys) if k[:1] == ("params",) and k[-1] == "w1"]
     w2 = [v for v, k in zip(leaves, inputs.keys) if k[:1] == ("params",) and k[-1] == "w2"]
@@ -52,7 +52,6 @@ def test_folded_pricing_matches_the_unrolled_graph():
 
 def test_mirrored_optimizer_state_joins_its_parameters_class():
     step, args = gpt(256, 4, 1024, 512, 64, 3, 8)
-    graph = capture(step, *args)
     inputs = _inputs(step, args, None)
     by_key = dict(zip(inputs.keys, inputs.ids))
     mu = [by_key[("opt", "0", "mu", "layers", str(i), "attn", "wq")] for i in range(3)]

@@ -2,6 +2,7 @@
 files in tests/golden/. A missing golden file fails; regenerate deliberately with
 `REMESH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_partitioner_golden.py` and review
 the diff."""
+
 import json
 import os
 
@@ -15,8 +16,16 @@ pytestmark = pytest.mark.unit
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
-CASES = [("llama-gqa-swiglu", 8, "h100"), ("gpt-d8192", 8, "h100"), ("gpt-example", 8, "h100"), ("gpt-example", 6, "cpu"),
-         ("mlp-small-weights", 8, "h100"), ("mlp-8k", 8, "h100"), ("mlp-8k", 8, "tpu-v5e"), ("moe-8x", 8, "h100")]
+CASES = [
+    ("llama-gqa-swiglu", 8, "h100"),
+    ("gpt-d8192", 8, "h100"),
+    ("gpt-example", 8, "h100"),
+    ("gpt-example", 6, "cpu"),
+    ("mlp-small-weights", 8, "h100"),
+    ("mlp-8k", 8, "h100"),
+    ("mlp-8k", 8, "tpu-v5e"),
+    ("moe-8x", 8, "h100"),
+]
 
 
 @pytest.mark.parametrize("model, devices, hardware", CASES, ids=lambda x: str(x))
@@ -34,6 +43,10 @@ def test_plan_matches_its_golden_file(model, devices, hardware):
     with open(path) as f:
         want = json.load(f)
     assert got["chosen"] == want["chosen"] and got["mesh"] == want["mesh"], (got["chosen"], got["mesh"], plan.notes)
-    diff = {k: (got["in_specs"][i].get(k), v) for i, specs in enumerate(want["in_specs"]) for k, v in specs.items()
-            if got["in_specs"][i].get(k) != v}
+    diff = {
+        k: (got["in_specs"][i].get(k), v)
+        for i, specs in enumerate(want["in_specs"])
+        for k, v in specs.items()
+        if got["in_specs"][i].get(k) != v
+    }
     assert not diff, f"{len(diff)} leaves changed sharding, e.g. {list(diff.items())[:3]}"

@@ -1,5 +1,6 @@
 """The partitioning IR captured from jaxprs: factor rules, inlined calls, loop bodies, repeated
 layers, and FLOPs checked against XLA's own cost analysis."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,7 +30,7 @@ def test_matmul_factors_say_which_dimension_is_contracted():
 def test_reshape_splitting_heads_keeps_the_head_factor_major():
     g = capture(lambda x: x.reshape(2, 64, 4, 32), f32(2, 64, 128))
     op = only(g, "reshape")
-    (b, s, hd), = op.operand_dims
+    ((b, s, hd),) = op.operand_dims
     rb, rs, rh, rd = op.result_dims[0]
     assert (b, s) == (rb, rs) and hd == rh + rd and [op.factors[f].size for f in hd] == [4, 32]
 
@@ -59,7 +60,11 @@ def test_calls_are_inlined_custom_vjp_jit_and_remat():
     assert g.unknown == {}
     prims = {op.primitive for op in g.ops}
     # sin is dead under grad (pruned, as XLA would); the custom rule's cos and the tanh backward remain.
-    assert {"dot_general", "tanh", "cos"} <= prims and "sin" not in prims and not prims & {"jit", "pjit", "custom_vjp_call", "checkpoint"}
+    assert (
+        {"dot_general", "tanh", "cos"} <= prims
+        and "sin" not in prims
+        and not prims & {"jit", "pjit", "custom_vjp_call", "checkpoint"}
+    )
 
 
 def mlp_stack(n_layers, scan):
@@ -72,7 +77,7 @@ def mlp_stack(n_layers, scan):
         else:
             for i in range(n_layers):
                 x, _ = layer(x, ws[i])
-        return jnp.sum(x ** 2)
+        return jnp.sum(x**2)
 
     return jax.grad(loss), (f32(n_layers, 64, 64), f32(32, 64))
 
@@ -94,7 +99,11 @@ def test_a_scanned_stack_is_captured_once_and_counts_every_iteration():
 def test_unrolled_layers_are_found_as_repeats_forward_and_backward():
     fn, args = mlp_stack(8, scan=False)
     g = capture(fn, *args)
-    big = [r for r in find_repeats(g) if any(g.ops[i].primitive == "dot_general" for i in range(r.start, r.start + r.period))]
+    big = [
+        r
+        for r in find_repeats(g)
+        if any(g.ops[i].primitive == "dot_general" for i in range(r.start, r.start + r.period))
+    ]
     forward, backward = big
     assert forward.count == 8, big
     # The backward of the last layer starts from the loss and the first layer's skips its input

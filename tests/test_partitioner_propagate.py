@@ -1,4 +1,5 @@
 """Sharding propagation over the factor graph: a few annotations shard everything else."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -40,7 +41,9 @@ def test_data_parallel_batch_annotation_reaches_the_loss_and_gradients_need_a_re
     w, x = g.inputs
     p = propagate(g, {w: ((), ()), x: (("data",), ())}, MESH)
     grad_matmul = [op for op in g.ops if op.primitive == "dot_general" and g.values[op.results[0]].shape == (64, 64)]
-    assert grad_matmul and any(c.kind == "all-reduce" and c.op == grad_matmul[0].id and c.axes == ("data",) for c in p.communication)
+    assert grad_matmul and any(
+        c.kind == "all-reduce" and c.op == grad_matmul[0].id and c.axes == ("data",) for c in p.communication
+    )
     assert p.shardings.get(g.outputs[0], ((), ())) == ((), ())  # the gradient is whole (summed)
 
 
@@ -71,7 +74,9 @@ def test_megatron_mlp_is_priced_with_one_intra_host_all_reduce():
     partial = 16 * 64 * 4 // 2
     assert cost.collective_bytes == {"all-reduce": 2 * 3 * partial // 4, "all-gather": 0}
     # Latency: a tree's 2*log2(4) = 4 steps, fewer than a ring's 2*(4-1) = 6.
-    assert cost.communication_seconds == pytest.approx(2 * 3 / 4 * partial / h100.intra.bandwidth + 4 * h100.intra.latency)
+    assert cost.communication_seconds == pytest.approx(
+        2 * 3 / 4 * partial / h100.intra.bandwidth + 4 * h100.intra.latency
+    )
     # Per device: x/2, w1/4 and w2/4 throughout (the caller's); the peak is while relu's output
     # and the hidden activation it reads, each (16, 256) split 8 ways, are both live.
     x_b, w_b, h_b = 16 * 64 * 4 // 2, 64 * 256 * 4 // 4, 16 * 256 * 4 // 8

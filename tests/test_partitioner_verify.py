@@ -1,4 +1,5 @@
 """verify(): what XLA really inserts for a plan, beside what the factor graph predicts."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -65,25 +66,47 @@ def test_hlo_parsing_handles_async_pairs_tuples_and_iota_groups():
   %m = f32[4]{0} all-reduce(f32[4]{0} %d), replica_groups=mesh['x'=2,'y'=1,'z'=4] {'x','z'}, to_apply=%add
 """
     got = [(c.kind, c.bytes, c.group_size, c.span) for c in parse_collectives(hlo)]
-    assert got == [("all-gather", 16 * 8 * 4, 4, 4), ("all-reduce", 128 * 2 + 4 * 4, 2, 3), ("reduce-scatter", 2 * 8 * 4, 4, 4),
-                   ("all-reduce", 16, 8, 8)]
+    assert got == [
+        ("all-gather", 16 * 8 * 4, 4, 4),
+        ("all-reduce", 128 * 2 + 4 * 4, 2, 3),
+        ("reduce-scatter", 2 * 8 * 4, 4, 4),
+        ("all-reduce", 16, 8, 8),
+    ]
 
 
 def test_bytes_sent_per_device_follow_each_kinds_formula():
     from partitioner.verify import Collective, Verification
 
-    kinds = [("all-reduce", 400), ("all-gather", 400), ("reduce-scatter", 100), ("all-to-all", 400), ("collective-permute", 400)]
+    kinds = [
+        ("all-reduce", 400),
+        ("all-gather", 400),
+        ("reduce-scatter", 100),
+        ("all-to-all", 400),
+        ("collective-permute", 400),
+    ]
     v = Verification(tuple(Collective(k, n, 4, "") for k, n in kinds), 0.0, 0, 0.0, 0.0, None, 0)
     # Ring all-reduce 2(p-1)/p; an all-gather's or reduce-scatter's (p-1) shards; an all-to-all
     # keeps 1/p of its result at home; a permute sends all of it.
-    assert v.collective_bytes == {"all-reduce": 600, "all-gather": 300, "reduce-scatter": 300, "all-to-all": 300,
-                                  "collective-permute": 400}
+    assert v.collective_bytes == {
+        "all-reduce": 600,
+        "all-gather": 300,
+        "reduce-scatter": 300,
+        "all-to-all": 300,
+        "collective-permute": 400,
+    }
 
 
 def test_too_few_devices_is_a_clear_error(devices8):
     from partitioner import VerifyDevicesError
 
-    plan = Plan(mesh={"data": 16}, in_specs=(P("data"),), out_specs=P("data"), cost=Cost(0, 0, {}, 0), search_seconds=0, devices=16)
+    plan = Plan(
+        mesh={"data": 16},
+        in_specs=(P("data"),),
+        out_specs=P("data"),
+        cost=Cost(0, 0, {}, 0),
+        search_seconds=0,
+        devices=16,
+    )
     with pytest.raises(VerifyDevicesError, match="needs that many, got 8.*device_count=16"):
         verify(plan, lambda x: x * 2, f32(32))
 
@@ -115,10 +138,13 @@ ENTRY %main (x: f32[8,4], y: f32[8,4], z: f32[4], w: f32[8,4], v: f32[8,4], pid:
 }
 """
     got = [(c.kind, c.bytes, c.group_size) for c in parse_collectives(hlo)]
-    assert got == [("reduce-scatter", 8 * 4 * 4 // 4, 4),  # read only through the fusion's slice
-                   ("all-reduce", 4 * 4, 4), ("reduce-scatter", 8 * 4 * 4 // 4, 4),  # one element sliced, one read whole
-                   ("all-reduce", 8 * 4 * 4, 4),  # also read whole
-                   ("reduce-scatter", 8 * 4 * 4 // 4, 4)]  # async: read as slices after its done
+    assert got == [
+        ("reduce-scatter", 8 * 4 * 4 // 4, 4),  # read only through the fusion's slice
+        ("all-reduce", 4 * 4, 4),
+        ("reduce-scatter", 8 * 4 * 4 // 4, 4),  # one element sliced, one read whole
+        ("all-reduce", 8 * 4 * 4, 4),  # also read whole
+        ("reduce-scatter", 8 * 4 * 4 // 4, 4),
+    ]  # async: read as slices after its done
 
 
 def test_fsdp_mlp_moves_the_small_activation_and_keeps_the_large_weights_split_as_xla_does(devices8):
@@ -132,10 +158,18 @@ def test_fsdp_mlp_moves_the_small_activation_and_keeps_the_large_weights_split_a
     c = estimate(g, p, mesh, profile("h100"))
     predicted = Cost(c.compute_seconds, c.communication_seconds, c.collective_bytes, c.peak_bytes_per_device)
     assert p.of(g.outputs[0], 2) == ((), ())  # the hidden layer no longer carries the batch's split
-    plan = Plan(mesh=mesh, in_specs=(P("data"), P(None, "data"), P("data")), out_specs=P(), cost=predicted,
-                search_seconds=0.0, devices=8)
+    plan = Plan(
+        mesh=mesh,
+        in_specs=(P("data"), P(None, "data"), P("data")),
+        out_specs=P(),
+        cost=predicted,
+        search_seconds=0.0,
+        devices=8,
+    )
     v = verify(plan, mlp, *args)
-    assert {k: n for k, n in v.collective_bytes.items() if n} == {k: n for k, n in predicted.collective_bytes.items() if n}
+    assert {k: n for k, n in v.collective_bytes.items() if n} == {
+        k: n for k, n in predicted.collective_bytes.items() if n
+    }
     assert set(v.collective_bytes) == {"all-gather", "all-reduce"}
 
 
@@ -163,6 +197,7 @@ def test_a_fused_chain_reads_its_inputs_when_its_kernel_runs():
         h = x @ w
         a = jnp.tanh(h)  # read twice: kept
         return ((h * a) + 1.0) @ w2  # h * a and + 1 run in one kernel, the add's
+
     g = capture(f, f32(8, 16), f32(16, 32), f32(32, 4))
     names = [op.primitive for op in g.ops]
     h = g.ops[names.index("dot_general")].results[0]

@@ -4,6 +4,7 @@ Data is generated from the step index alone (no downloads): token sequences from
 Markov chain, so the loss has real structure to learn and falls from log(vocab) towards the chain's
 entropy. Dropout draws from a PRNG key carried in the state, so it is checkpointed with it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,11 +39,19 @@ def init_params(key, cfg: GPTConfig):
     def layer():
         return {
             "ln1": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-            "attn": {"wq": normal((d, d)), "wk": normal((d, d)), "wv": normal((d, d)),
-                     "wo": normal((d, d), 0.02 / np.sqrt(2 * cfg.n_layers))},
+            "attn": {
+                "wq": normal((d, d)),
+                "wk": normal((d, d)),
+                "wv": normal((d, d)),
+                "wo": normal((d, d), 0.02 / np.sqrt(2 * cfg.n_layers)),
+            },
             "ln2": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-            "mlp": {"w1": normal((d, f)), "b1": jnp.zeros(f),
-                    "w2": normal((f, d), 0.02 / np.sqrt(2 * cfg.n_layers)), "b2": jnp.zeros(d)},
+            "mlp": {
+                "w1": normal((d, f)),
+                "b1": jnp.zeros(f),
+                "w2": normal((f, d), 0.02 / np.sqrt(2 * cfg.n_layers)),
+                "b2": jnp.zeros(d),
+            },
         }
 
     layers = [layer() for _ in range(cfg.n_layers)]
@@ -92,7 +101,9 @@ def forward(params, tokens, cfg: GPTConfig, key=None):
             x, _ = jax.lax.scan(lambda h, lp: (block(h, lp, cfg), None), x, params["layers"])
         else:
             keys = jax.random.split(key, 2 * cfg.n_layers).reshape(cfg.n_layers, 2)
-            x, _ = jax.lax.scan(lambda h, xs: (block(h, xs[0], cfg, (xs[1][0], xs[1][1])), None), x, (params["layers"], keys))
+            x, _ = jax.lax.scan(
+                lambda h, xs: (block(h, xs[0], cfg, (xs[1][0], xs[1][1])), None), x, (params["layers"], keys)
+            )
     else:
         keys = list(jax.random.split(key, 2 * cfg.n_layers)) if key is not None else [None] * (2 * cfg.n_layers)
         for i, lp in enumerate(params["layers"]):

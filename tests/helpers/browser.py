@@ -1,5 +1,6 @@
 """Headless Chromium (Debian's `chromium`) for the dashboard tests: the DOM after the page's
 scripts ran, and a screenshot kept as a test artefact."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ import subprocess
 import pytest
 
 ARTIFACTS = os.environ.get("REMESH_TEST_ARTIFACTS") or os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "runs", "test-artifacts")
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "runs", "test-artifacts"
+)
 
 
 def chromium() -> str:
@@ -21,8 +23,18 @@ def chromium() -> str:
 
 def _run(args: list[str], url: str, profile: str) -> subprocess.CompletedProcess:
     # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           f"--user-data-dir={profile}", "--window-size=1400,2000", "--virtual-time-budget=15000", *args, url]
+    cmd = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1400,2000",
+        "--virtual-time-budget=15000",
+        *args,
+        url,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
     return proc

@@ -4,8 +4,8 @@ save:    every process of a group saves its shards of a deterministic state (`ex
 restore: every process restores onto a new mesh and checks its shards bitwise; prints JSON stats
 loop:    saves steps start, start+1, ... forever (a crash test kills it at a random moment)
 """
+
 import json
-import os
 import sys
 
 import numpy as np
@@ -14,8 +14,11 @@ import numpy as np
 def expected_state(step: int = 0) -> dict:
     rng = np.random.default_rng(step)
     return {
-        "params": {"w": rng.standard_normal((960, 384)).astype(np.float32), "b": rng.standard_normal(384).astype(np.float32),
-                   "odd": rng.standard_normal((5, 7)).astype(np.float32)},
+        "params": {
+            "w": rng.standard_normal((960, 384)).astype(np.float32),
+            "b": rng.standard_normal(384).astype(np.float32),
+            "odd": rng.standard_normal((5, 7)).astype(np.float32),
+        },
         "step": np.int32(step),
     }
 
@@ -44,8 +47,11 @@ def main(role: str, process_id: int, processes: int, port: int, path: str, kind:
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(kind, mesh))
     store = Store(path, config=StoreConfig(chunk_bytes=64 << 10, keep_last=2))
     if role == "save":
-        state = jax.tree.map(lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i]),
-                             expected_state(step), shardings)
+        state = jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i]),
+            expected_state(step),
+            shardings,
+        )
         store.save(step, state, meta={"data_position": step})
         store.wait()
         print(json.dumps({"process": process_id, "saved": step}), flush=True)
@@ -56,9 +62,17 @@ def main(role: str, process_id: int, processes: int, port: int, path: str, kind:
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             for shard in g.addressable_shards:
                 a, b = np.asarray(shard.data), np.asarray(w)[shard.index]
-                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (shard.index, shard.device)
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (
+                    shard.index,
+                    shard.device,
+                )
         s = store.last_restore
-        print(json.dumps({"process": process_id, "restored": step, "bytes_needed": s.bytes_needed, "bytes_read": s.bytes_read}), flush=True)
+        print(
+            json.dumps(
+                {"process": process_id, "restored": step, "bytes_needed": s.bytes_needed, "bytes_read": s.bytes_read}
+            ),
+            flush=True,
+        )
     else:
         while True:
             state = jax.tree.map(lambda x, s: jax.device_put(x, s), expected_state(step), shardings)

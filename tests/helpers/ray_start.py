@@ -2,6 +2,7 @@
 worker nodes joined to it with `ray start --address`, token authentication on. Each worker node is
 one emulated host (the `remesh_host` resource, N fake CPU devices in its environment) and runs in
 its own process group, so a test can stop it like a machine going away."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,12 @@ import urllib.request
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 # Fast failure detection, as the embedded cluster has: a stopped node is declared dead in ~1 s.
-SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300, "health_check_timeout_ms": 300,
-                 "health_check_failure_threshold": 3}
+SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 300,
+    "health_check_failure_threshold": 3,
+}
 
 
 def free_port() -> int:
@@ -27,9 +32,20 @@ def free_port() -> int:
 
 
 def _node_ports() -> list[str]:
-    return ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-            "--runtime-env-agent-port", str(free_port()), "--node-manager-port", str(free_port()),
-            "--object-manager-port", str(free_port()), "--object-store-memory", str(80 * 2**20)]
+    return [
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--dashboard-agent-grpc-port",
+        str(free_port()),
+        "--runtime-env-agent-port",
+        str(free_port()),
+        "--node-manager-port",
+        str(free_port()),
+        "--object-manager-port",
+        str(free_port()),
+        "--object-store-memory",
+        str(80 * 2**20),
+    ]
 
 
 class RayStartCluster:
@@ -39,8 +55,12 @@ class RayStartCluster:
         fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        self.env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")},
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {
+            **{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")},
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": token,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
         self.temp_dir = os.path.join("/tmp", "rs-" + secrets.token_hex(3))  # Unix socket paths must stay short
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.metrics_ports = [free_port() for _ in range(workers + 1)]
@@ -48,12 +68,35 @@ class RayStartCluster:
         self.workers: list[subprocess.Popen] = []
         # --block in a session of its own: stopping this cluster stops exactly its processes.
         self.head = subprocess.Popen(
-            [RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port), "--num-cpus", "1",
-             "--temp-dir", self.temp_dir, "--metrics-export-port", str(self.metrics_ports[0]),
-             "--system-config", json.dumps(SYSTEM_CONFIG), "--disable-usage-stats", "--block", *_node_ports()],
-            env=self.env, stdout=open(os.path.join(root, "head.log"), "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                RAY,
+                "start",
+                "--head",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                str(self.gcs_port),
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(self.dashboard_port),
+                "--num-cpus",
+                "1",
+                "--temp-dir",
+                self.temp_dir,
+                "--metrics-export-port",
+                str(self.metrics_ports[0]),
+                "--system-config",
+                json.dumps(SYSTEM_CONFIG),
+                "--disable-usage-stats",
+                "--block",
+                *_node_ports(),
+            ],
+            env=self.env,
+            stdout=open(os.path.join(root, "head.log"), "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.wait_for_hosts(0)
         for i in range(workers):  # one at a time: nodes joining at once race for socket names
             self.add_worker(self.metrics_ports[i + 1])
@@ -64,14 +107,36 @@ class RayStartCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def add_worker(self, metrics_port: int) -> None:
-        env = {**self.env, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.devices_per_host}"}
+        env = {
+            **self.env,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.devices_per_host}",
+        }
         log = open(os.path.join(self.root, f"worker{len(self.workers)}.log"), "w")
-        self.workers.append(subprocess.Popen(
-            [RAY, "start", "--address", f"127.0.0.1:{self.gcs_port}", "--node-ip-address", "127.0.0.1",
-             "--num-cpus", "1", "--resources", json.dumps({"remesh_host": 1}), "--metrics-export-port",
-             str(metrics_port), "--block", *_node_ports()],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        self.workers.append(
+            subprocess.Popen(
+                [
+                    RAY,
+                    "start",
+                    "--address",
+                    f"127.0.0.1:{self.gcs_port}",
+                    "--node-ip-address",
+                    "127.0.0.1",
+                    "--num-cpus",
+                    "1",
+                    "--resources",
+                    json.dumps({"remesh_host": 1}),
+                    "--metrics-export-port",
+                    str(metrics_port),
+                    "--block",
+                    *_node_ports(),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
     def hosts(self) -> int:
         """Alive nodes with the remesh_host resource, from Ray's state API (token in the header)."""
