@@ -7,12 +7,27 @@
 
 Steps written by plain Orbax restore through the same `restore`.
 """
+
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, CheckpointTargetError
 from .layout import Codec, leaf_path
 from .reader import Cast, Rename, RestoreStats, Stack, Unstack
 from .store import Store, StoreConfig, VerifyReport
+from .writer import check_savable
 
 __all__ = [
-    "Cast", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointNotFoundError", "CheckpointTargetError",
-    "Codec", "Rename", "RestoreStats", "Stack", "Store", "StoreConfig", "Unstack", "VerifyReport", "leaf_path",
+    "Cast",
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CheckpointTargetError",
+    "Codec",
+    "Rename",
+    "RestoreStats",
+    "Stack",
+    "Store",
+    "StoreConfig",
+    "Unstack",
+    "VerifyReport",
+    "check_savable",
+    "leaf_path",
 ]

@@ -7,6 +7,7 @@ the `jax.distributed` key-value store, which needs no device collective and so c
 background thread), writes the manifest last and renames the step's `.partial` directory into place.
 A crash at any point before that rename leaves only a `.partial` directory, which readers ignore.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,13 +16,15 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 
 from . import layout
+from .errors import CheckpointFormatError
 
 
 @dataclasses.dataclass
@@ -58,6 +61,35 @@ def snapshot(state: Any, chunk_bytes: int) -> list[LeafSnapshot]:
     for snap in started:
         snap.pieces = [(_full(box, snap.layout.shape), np.array(data, copy=True)) for box, data in snap.pieces]
     return started
+
+
+def check_savable(abstract_state: Any, chunk_bytes: int = 4 << 20, codec: layout.Codec = layout.Codec.RAW) -> None:
+    """Everything a save does to a state short of copying it, on shapes alone: each leaf's path
+    (unique), its stored form (typed PRNG keys as their key data), its layout, and an empty array of
+    that layout created in memory by the storage driver. Raises CheckpointFormatError naming the
+    leaf, so a state that cannot be saved is refused before any host trains on it."""
+    seen: dict[str, str] = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        path, where = layout.leaf_path(keypath), jax.tree_util.keystr(keypath)
+        if path in seen:
+            raise CheckpointFormatError(
+                f"state leaves {seen[path]} and {where} would both be saved as {path!r}: "
+                "rename one (checkpoint paths join the keys with '/')"
+            )
+        seen[path] = where
+        try:
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.eval_shape(jax.random.key_data, leaf)
+            shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+            lay = layout.choose_layout(shape, dtype, shape, chunk_bytes)
+            ts.open(
+                {"driver": "zarr3", "kvstore": "memory://", "metadata": lay.zarr_metadata(codec)}, create=True
+            ).result()
+        except (TypeError, ValueError) as e:
+            raise CheckpointFormatError(
+                f"state leaf {path} ({leaf.dtype}{list(leaf.shape)}) cannot be saved: {e}. Keep arrays of numeric, "
+                "bool or typed PRNG key dtypes in the state"
+            ) from e
 
 
 def _full(box, shape) -> layout.Box:
@@ -136,8 +168,11 @@ class Writer:
         os.makedirs(os.path.join(partial, layout.ARRAYS), exist_ok=True)
         pending = []
         for n, leaf in enumerate(job.leaves):
-            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(partial, layout.ARRAYS, _array_name(n))},
-                    "metadata": leaf.layout.zarr_metadata(job.codec)}
+            spec = {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": os.path.join(partial, layout.ARRAYS, _array_name(n))},
+                "metadata": leaf.layout.zarr_metadata(job.codec),
+            }
             if jax.process_index() == 0:  # the .partial directory is new: stale ones are removed at open
                 spec.update(create=True, open=True)
             else:
@@ -174,7 +209,9 @@ def _await_peers(job: Job, timeout_ms: int) -> None:
     for p in range(1, jax.process_count()):
         status = _client().blocking_key_value_get(_kv_key(job, p), timeout_ms)
         if status != "ok":
-            raise RuntimeError(f"process {p} failed to write its shards of step {job.step}: {status}; the step was not committed")
+            raise RuntimeError(
+                f"process {p} failed to write its shards of step {job.step}: {status}; the step was not committed"
+            )
 
 
 def _commit(job: Job, partial: str) -> None:
@@ -183,12 +220,27 @@ def _commit(job: Job, partial: str) -> None:
         if rel.endswith("zarr.json"):
             entry["sha256"] = layout.sha256_file(os.path.join(partial, rel))
     doc = {
-        "format": layout.FORMAT, "step": job.step, "created_at": time.time(), "processes": jax.process_count(),
-        "codec": job.codec.value, "plan": job.plan, "meta": job.meta, "files": files,
-        "leaves": [{"path": l.path, "array": _array_name(n), "shape": list(l.layout.shape), "dtype": l.layout.dtype,
-                    "shard_shape": list(l.layout.shard_shape), "chunk_shape": list(l.layout.chunk_shape),
-                    "sharding": l.sharding, **({"prng_impl": l.prng_impl} if l.prng_impl else {})}
-                   for n, l in enumerate(job.leaves)],
+        "format": layout.FORMAT,
+        "step": job.step,
+        "created_at": time.time(),
+        "processes": jax.process_count(),
+        "codec": job.codec.value,
+        "plan": job.plan,
+        "meta": job.meta,
+        "files": files,
+        "leaves": [
+            {
+                "path": l.path,
+                "array": _array_name(n),
+                "shape": list(l.layout.shape),
+                "dtype": l.layout.dtype,
+                "shard_shape": list(l.layout.shard_shape),
+                "chunk_shape": list(l.layout.chunk_shape),
+                "sharding": l.sharding,
+                **({"prng_impl": l.prng_impl} if l.prng_impl else {}),
+            }
+            for n, l in enumerate(job.leaves)
+        ],
     }
     doc["checksum"] = layout.manifest_checksum(doc)
     for root, _, _ in os.walk(partial, topdown=False):

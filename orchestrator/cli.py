@@ -217,7 +217,7 @@ def _print_summary(summary, path) -> None:
             f"MFU {t['mfu']:.2%} ({t['model_flops_per_step'] / 1e9:.2f} GFLOP a step, median of {t['steps_measured']} steps)"
         )
     g = d["goodput"]
-    if g:
+    if g and g["wall_seconds"] > 0:
         parts = ", ".join(f"{k} {v:.1f} s" for k, v in g["badput_seconds"].items())
         print(
             f"  goodput: {g['goodput_ratio']:.1%} ({g['useful_seconds']:.1f} s of useful steps in {g['wall_seconds']:.1f} s); "

@@ -7,8 +7,10 @@ hosts (chaos).
 Token authentication stays on: the local cluster writes a fresh token (mode 0600) into its state
 directory and points RAY_AUTH_TOKEN_PATH at it before any Ray process starts.
 """
+
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -30,7 +32,7 @@ class LocalClusterConfig:
     health_check_failure_threshold: int = 3
     object_store_bytes: int = 80 * 2**20
 
-    def create(self) -> "LocalCluster":
+    def create(self) -> LocalCluster:
         return LocalCluster(self)
 
 
@@ -47,14 +49,18 @@ class LocalCluster:
             "health_check_timeout_ms": config.health_check_period_ms,
             "health_check_failure_threshold": config.health_check_failure_threshold,
         }
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _daemons_in_own_process_groups():
             # Ray starts its daemons with fork+exec, which is safe in a process that imported JAX.
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
             self._cluster = Cluster(
                 initialize_head=True,
                 shutdown_at_exit=False,  # shutdown() is explicit; Ray's hook trips over removed nodes
-                head_node_args=dict(num_cpus=1, include_dashboard=False,
-                                    object_store_memory=config.object_store_bytes, _system_config=system_config),
+                head_node_args=dict(
+                    num_cpus=1,
+                    include_dashboard=False,
+                    object_store_memory=config.object_store_bytes,
+                    _system_config=system_config,
+                ),
             )
         for _ in range(config.hosts):
             self._add_node()
@@ -65,18 +71,21 @@ class LocalCluster:
         return self._cluster.address
 
     def _add_node(self):
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _daemons_in_own_process_groups():
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            return self._cluster.add_node(num_cpus=1, resources={HOST_RESOURCE: 1},
-                                              object_store_memory=self.config.object_store_bytes)
+            return self._cluster.add_node(
+                num_cpus=1, resources={HOST_RESOURCE: 1}, object_store_memory=self.config.object_store_bytes
+            )
 
     def alive_hosts(self) -> list[str]:
         return alive_hosts()
 
     def host_env(self) -> dict[str, str]:
         """Set before jax is imported in each host process: this emulated host's fake devices."""
-        return {"JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.config.devices_per_host}"}
+        return {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.config.devices_per_host}",
+        }
 
     def kill_host(self, node_id: str) -> None:
         """An ungraceful host loss: SIGKILL the node's raylet and every process on it."""
@@ -91,8 +100,13 @@ class LocalCluster:
         self._add_node()
 
     def shutdown(self) -> None:
+        """Disconnect, then SIGKILL every node's daemons: the hosts are already stopped and Ray
+        keeps nothing that needs flushing, and a graceful stop waits on each daemon in turn."""
         ray.shutdown()
-        self._cluster.shutdown()
+        for node in [*self._cluster.worker_nodes, self._cluster.head_node]:
+            if node is not None:
+                self._cluster.remove_node(node, allow_graceful=False)
+        self._cluster.shutdown()  # with no nodes left: only Ray's module state is reset
 
 
 class RayCluster:
@@ -110,6 +124,29 @@ class RayCluster:
 
     def shutdown(self) -> None:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _daemons_in_own_process_groups():
+    """Start the embedded cluster's daemons (GCS, raylets, and through them the host actors) each
+    in a process group of its own. A signal sent to remesh's process group (Ctrl-C in a terminal,
+    `timeout`, a shell's job control) then reaches remesh alone, which stops the job in order,
+    instead of also killing the daemons it needs to stop the job (a driver whose GCS is gone waits
+    60 s and aborts). They still die with remesh: Ray sets them to be killed when their parent dies."""
+    from ray._private import services
+
+    base = services.ConsolePopen
+
+    class Popen(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = Popen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 def alive_hosts() -> list[str]:

@@ -1,14 +1,18 @@
 """The job controller: an explicit state machine that executes policy decisions.
 
     PLANNING --plan for the hosts there are--> STARTING --new group, restore--> RUNNING
+    PLANNING --the last step is already committed--> FINISHED
     RUNNING --hosts lost--> (FailurePolicy) PLANNING | FAILED
     RUNNING --more hosts--> (ScalingPolicy) stop at the next checkpoint --> PLANNING
+    RUNNING --segment ended without a new step--> (FailurePolicy) PLANNING | FAILED
     RUNNING --last step--> FINISHED
+    RUNNING --request_stop (a signal)--> STOPPING --the step reached saved, or grace over--> STOPPED
 
 `step()` performs exactly one transition (in RUNNING: one poll of the hosts), so a test can drive
 it one move at a time; `run()` loops until a terminal phase. Clocks, the poll interval, the
 planner and the host-group class are parameters.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +20,7 @@ import enum
 import hashlib
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from . import policies
 from .chaos import ChaosInjector, Fault
@@ -34,6 +38,7 @@ class Phase(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+    STOPPING = "stopping"
     STOPPED = "stopped"
 
     @property
@@ -42,32 +47,48 @@ class Phase(enum.Enum):
 
 
 class JobStopped(BaseException):
-    """Raised into the controller's loop when the job is stopped from outside (a signal). A
-    BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+    """Raised into the controller's loop when the job must stop at once (a signal while no group
+    trains, or a second signal). A BaseException, like KeyboardInterrupt, so that no `except
+    Exception` on the way swallows it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
     poll_interval_s: float = 0.1
     host_check_interval_s: float = 1.0  # how often to ask the cluster for new hosts
-    digest: bool = True
     compilation_cache: str | None = None
+    stop_grace_s: float = 20.0  # after a stop request, how long hosts get to save the step reached
     env_vars: dict = dataclasses.field(default_factory=dict)
 
 
 class JobController:
-    def __init__(self, job: JobSpec, cluster, *, planner: Callable, fingerprint: str,
-                 config: ControllerConfig = ControllerConfig(), chaos: tuple[Fault, ...] = (),
-                 scaling: policies.ScalingPolicy | None = None, failure: policies.FailurePolicy | None = None,
-                 group_cls=HostGroup, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, printer: Callable[[str], None] | None = None,
-                 recorder: Recorder | None = None, wall: Callable[[], float] = time.time,
-                 model_flops: float | None = None):
+    def __init__(
+        self,
+        job: JobSpec,
+        cluster,
+        *,
+        planner: Callable,
+        fingerprint: str,
+        config: ControllerConfig = ControllerConfig(),
+        chaos: tuple[Fault, ...] = (),
+        scaling: policies.ScalingPolicy | None = None,
+        failure: policies.FailurePolicy | None = None,
+        group_cls=HostGroup,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        printer: Callable[[str], None] | None = None,
+        recorder: Recorder | None = None,
+        wall: Callable[[], float] = time.time,
+        model_flops: float | None = None,
+        committed: Callable[[], int] = lambda: 0,
+    ):
+        """`committed`: the newest committed checkpoint step (a re-run of a finished job ends at once)."""
         self.job = job
         self.cluster = cluster
         self.planner = planner
         self.fingerprint = fingerprint
         self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
+        self.committed = committed
         self.config = config
         self.scaling = scaling or policies.ScalingPolicy(job.hosts.min, job.hosts.max)
         self.failure = failure or policies.FailurePolicy(job.hosts.min, job.hosts.max)
@@ -90,15 +111,34 @@ class JobController:
         self._segment: dict | None = None
         self._failures = 0
         self._recovering_since: float | None = None  # loss detected at, until the first new step
-        self._stopping = False
+        self._stopping = False  # a resize is waiting for the next checkpoint boundary
+        self._stop_reason: str | None = None  # a stop was requested (a signal)
+        self._stop_deadline = 0.0
+        self._stalled = 0  # segments in a row that ended without a new step
+        self._segment_from = 0  # the step the running segment started after
         self._last_host_check = 0.0
         self._injected: dict[str, float] = {}  # node id -> when chaos killed it
 
     # -- the state machine -------------------------------------------------------------------
     def step(self) -> Phase:
-        handler = {Phase.PLANNING: self._planning, Phase.STARTING: self._starting, Phase.RUNNING: self._running}[self.phase]
+        if self._stop_reason and self.phase is Phase.RUNNING:
+            self.phase = self._begin_stop()
+            return self.phase
+        handler = {
+            Phase.PLANNING: self._planning,
+            Phase.STARTING: self._starting,
+            Phase.RUNNING: self._running,
+            Phase.STOPPING: self._stopping_hosts,
+        }[self.phase]
         self.phase = handler()
         return self.phase
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the job (from a signal handler, say): a training group saves the step it reached
+        and ends within `stop_grace_s`; in any other phase, or asked twice, stop at once."""
+        if self._stop_reason is not None or self.phase not in (Phase.RUNNING, Phase.STOPPING):
+            raise JobStopped(reason)
+        self._stop_reason = reason
 
     def run(self) -> RunSummary:
         self.recorder.started()
@@ -108,7 +148,7 @@ class JobController:
         except JobStopped as e:
             self.phase = Phase.STOPPED
             self.summary.reason = str(e)
-            self.print(f"stop  {e} after step {self._done_step()}")
+            self.print(f"stop  {e}: stopped at once after step {self._done_step()}")
         finally:
             self._stop_group()
             self.summary.state = self.phase.value
@@ -135,12 +175,19 @@ class JobController:
         recent = self.throughput.last(20).summary()
         self._segment_medians()
         self.recorder.status(
-            state=self.phase.value, steps_completed=self._done_step(), mesh=seg.get("mesh", {}),
-            hosts=seg.get("hosts", 0), devices=seg.get("devices", 0), reason=self.summary.reason,
-            tokens_per_second=recent["tokens_per_second"], mfu=recent["mfu"],
-            goodput_ratio=goodput["goodput_ratio"], goodput=goodput,
+            state=self.phase.value,
+            steps_completed=self._done_step(),
+            mesh=seg.get("mesh", {}),
+            hosts=seg.get("hosts", 0),
+            devices=seg.get("devices", 0),
+            reason=self.summary.reason,
+            tokens_per_second=recent["tokens_per_second"],
+            mfu=recent["mfu"],
+            goodput_ratio=goodput["goodput_ratio"],
+            goodput=goodput,
             throughput=self.summary.throughput or self.throughput.summary(),
-            segments=self.summary.segments)
+            segments=self.summary.segments,
+        )
 
     def _now(self) -> float:
         return self.clock() - self._t0
@@ -150,6 +197,15 @@ class JobController:
 
     # -- PLANNING ----------------------------------------------------------------------------
     def _planning(self) -> Phase:
+        if not self.summary.segments and self._done_step() == 0:
+            committed = self.committed()
+            if committed >= self.job.steps:
+                self.summary.reached(committed)
+                self.summary.reason = (
+                    f"already complete: step {committed} of {self.job.steps} is committed in {self.job.checkpoint.dir}"
+                    " (to train again, use a new checkpoint directory or more steps)"
+                )
+                return Phase.FINISHED
         available = len(self.cluster.alive_hosts())
         if self._target is None:
             decision = self.scaling.initial(available)
@@ -170,15 +226,39 @@ class JobController:
         self._plan = self._plans[key]
         self.ledger.add("planning", wall, self.wall())
         self.ledger.gap = "startup"  # until the new group's first report
-        self._event("replan", step=self._done_step(), at=self._now(), seconds=self.clock() - t,
-                    devices=devices, mesh=dict(self._plan.mesh), cached=cached, notes=list(self._plan.notes))
-        self.print(f"plan  {self._plan.describe()} on {hosts} hosts" + (" (cached)" if cached else "")
-                   + "".join(f"\n      note: {n}" for n in self._plan.notes))
+        self._event(
+            "replan",
+            step=self._done_step(),
+            at=self._now(),
+            seconds=self.clock() - t,
+            devices=devices,
+            mesh=dict(self._plan.mesh),
+            cached=cached,
+            notes=list(self._plan.notes),
+        )
+        used = self._hosts_used()
+        idle = (
+            f"\n      note: {hosts - used} of {hosts} hosts left idle: the plan uses {self._plan.devices_used} devices"
+            if used < hosts
+            else ""
+        )
+        self.print(
+            f"plan  {self._plan.describe()} on {used} hosts"
+            + (" (cached)" if cached else "")
+            + "".join(f"\n      note: {n}" for n in self._plan.notes)
+            + idle
+        )
         return Phase.STARTING
+
+    def _hosts_used(self) -> int:
+        """Hosts whose devices the plan uses: a host none of whose devices is in the mesh would
+        only wait on the others, so it is not started."""
+        per_host = self.job.hosts.devices_per_host
+        return min(self._target, -(-self._plan.devices_used // per_host))
 
     # -- STARTING ----------------------------------------------------------------------------
     def _starting(self) -> Phase:
-        hosts = self._target
+        hosts = self._hosts_used()
         t = self.clock()
         try:
             env = {**self.cluster.host_env(), **self.config.env_vars}
@@ -191,28 +271,50 @@ class JobController:
         freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.chaos.slow_hosts().items()}
         plan_json = self._plan.to_json()
-        self._group.start(lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i)))
-        self._segment = {"mesh": dict(self._plan.mesh), "hosts": hosts, "devices": self._plan.devices_used,
-                         "first_step": None, "last_step": None, "spawn_seconds": round(spawn, 3),
-                         "started_at": round(t - self._t0, 3), "first_step_at": None,
-                         "plan": self._plan.describe()}
+        self._group.start(
+            lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i))
+        )
+        self._segment = {
+            "mesh": dict(self._plan.mesh),
+            "hosts": hosts,
+            "devices": self._plan.devices_used,
+            "first_step": None,
+            "last_step": None,
+            "spawn_seconds": round(spawn, 3),
+            "started_at": round(t - self._t0, 3),
+            "first_step_at": None,
+            "plan": self._plan.describe(),
+        }
         self._segment_throughputs.append(Throughput())
         self.summary.segments.append(self._segment)
         self._record_status()
         self._stopping = False
+        self._segment_from = self._done_step()
         self._last_host_check = self.clock()
         return Phase.RUNNING
 
-    def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None,
-              slow: int | None = None) -> SegmentSpec:
+    def _spec(
+        self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None, slow: int | None = None
+    ) -> SegmentSpec:
         job = self.job
         return SegmentSpec(
-            program=job.program, steps=job.steps, global_batch=job.global_batch, seed=job.seed,
-            checkpoint=job.checkpoint, plan_json=plan_json, coordinator=coordinator,
-            num_processes=hosts, process_id=process_id, segment=len(self.summary.segments),
-            digest=self.config.digest, freeze_before_save=freeze, slow_input_from=slow,
+            program=job.program,
+            steps=job.steps,
+            global_batch=job.global_batch,
+            seed=job.seed,
+            checkpoint=job.checkpoint,
+            plan_json=plan_json,
+            coordinator=coordinator,
+            num_processes=hosts,
+            process_id=process_id,
+            segment=len(self.summary.segments),
+            freeze_before_save=freeze,
+            slow_input_from=slow,
             compilation_cache=self.config.compilation_cache,
-            fingerprint=self.fingerprint, hardware=job.hardware, job=job.name, model_flops=self.model_flops,
+            fingerprint=self.fingerprint,
+            hardware=job.hardware,
+            job=job.name,
+            model_flops=self.model_flops,
         )
 
     # -- RUNNING -----------------------------------------------------------------------------
@@ -241,11 +343,55 @@ class JobController:
             self._stop_group()
             if self._done_step() >= self.job.steps:
                 return Phase.FINISHED
-            return Phase.PLANNING  # stopped at a checkpoint boundary to resize
+            return self._after_segment()  # stopped at a checkpoint boundary to resize, or stalled
         self._inject_due_faults()
         self._maybe_grow()
         self.sleep(self.config.poll_interval_s)
         return Phase.RUNNING
+
+    def _after_segment(self) -> Phase:
+        """A segment ended before the last step. One that completed no new step is a stall, and
+        stalls in a row are bounded by the failure policy: never an endless restart loop."""
+        self._stalled = 0 if self._done_step() > self._segment_from else self._stalled + 1
+        decision = self.failure.on_segment_end(self._stalled, self._done_step())
+        if isinstance(decision, policies.Fail):
+            return self._fail(decision.reason)
+        return Phase.PLANNING
+
+    # -- STOPPING ----------------------------------------------------------------------------
+    def _begin_stop(self) -> Phase:
+        grace = self.config.stop_grace_s
+        self.print(f"stop  {self._stop_reason}: saving the step reached, then stopping (at most {grace:.0f} s)")
+        self._group.request_stop(now=True)
+        self._stop_deadline = self.clock() + grace
+        return Phase.STOPPING
+
+    def _stopping_hosts(self) -> Phase:
+        self.summary.reason = self._stop_reason
+        try:
+            statuses = self._group.poll()
+        except (HostsLostError, SegmentFailedError) as e:
+            self.print(f"      hosts failed while stopping ({str(e).splitlines()[0]}); the newest commit stands")
+            self._stop_group()
+            return Phase.STOPPED
+        for host, status in enumerate(statuses):
+            for report in status.reports:
+                self._on_report(host, report)
+        if all(s.done for s in statuses):
+            self._stop_group()
+            if self._done_step() >= self.job.steps:
+                return Phase.FINISHED
+            self.print(f"      step {self._done_step()} committed; hosts stopped")
+            return Phase.STOPPED
+        if self.clock() > self._stop_deadline:
+            self.summary.reason += (
+                f" (hosts did not finish within {self.config.stop_grace_s:.0f} s; the newest commit stands)"
+            )
+            self.print(f"      hosts did not finish within {self.config.stop_grace_s:.0f} s; stopping them")
+            self._stop_group()
+            return Phase.STOPPED
+        self.sleep(self.config.poll_interval_s)
+        return Phase.STOPPING
 
     def _on_report(self, host: int, r: dict, speaker: int = 0) -> None:
         kind, now = r["kind"], self._now()
@@ -260,7 +406,7 @@ class JobController:
             return  # SPMD: every host reports the same steps; process 0 speaks for the group
         self._account(r)
         if kind == "step":
-            self.summary.losses[r["step"]] = r["loss"]
+            self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
             seg = self._segment
             if seg["first_step"] is None:
                 seg["first_step"], seg["first_step_at"] = r["step"], round(now, 3)
@@ -273,7 +419,9 @@ class JobController:
             self._progress(r)
         elif kind == "checkpoint_corrupt":
             self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
-            self.print(f"      checkpoint step {r['step']} is damaged, moved aside; trying the one before: {r['error'][:200]}")
+            self.print(
+                f"      checkpoint step {r['step']} is damaged, moved aside; trying the one before: {r['error'][:200]}"
+            )
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
             extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at")}
             self._event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
@@ -281,6 +429,7 @@ class JobController:
                 self.throughput.model_flops_per_step = r["model_flops"]
                 self._segment.update(model_flops=r["model_flops"], device_flops=r["device_flops"])
             if kind == "restore":
+                self.summary.reached(r["step"])  # a resumed run starts from there
                 self.print(f"      restored step {r['step']} in {r['seconds']:.2f} s")
 
     def _account(self, r: dict) -> None:
@@ -298,8 +447,10 @@ class JobController:
         if r["step"] % 10 and r["step"] != self.job.steps and r["step"] != self._segment["first_step"]:
             return
         mesh = " x ".join(f"{k}={v}" for k, v in self._segment["mesh"].items())
-        self.print(f"step  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  "
-                   f"{r['tokens_per_second']:>9,.0f} tok/s  MFU {r['mfu']:.2%}  mesh {mesh}  hosts {self._segment['hosts']}")
+        self.print(
+            f"step  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  "
+            f"{r['tokens_per_second']:>9,.0f} tok/s  MFU {r['mfu']:.2%}  mesh {mesh}  hosts {self._segment['hosts']}"
+        )
 
     def _on_hosts_lost(self, e: HostsLostError) -> Phase:
         detected = self.clock()
@@ -310,14 +461,26 @@ class JobController:
         dead_nodes = [n for n in e.node_ids if n not in alive]
         injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
         self._failures += 1
-        self._event("host_lost", step=self._done_step(), at=self._now(),
-                           seconds=(detected - injected[0]) if injected else 0.0,
-                           hosts=e.indices, nodes_dead=len(dead_nodes), detail=str(e))
+        self._event(
+            "host_lost",
+            step=self._done_step(),
+            at=self._now(),
+            seconds=(detected - injected[0]) if injected else 0.0,
+            hosts=e.indices,
+            nodes_dead=len(dead_nodes),
+            detail=str(e),
+        )
         self.print(f"lost  host(s) {e.indices} after step {self._done_step()} ({e})")
         self._stop_group()
-        decision = self.failure.on_failure(policies.Failure(
-            hosts_in_group=self._target, hosts_lost=len(dead_nodes), processes_lost=len(e.indices) - len(dead_nodes),
-            hosts_alive=len(alive), failures_so_far=self._failures - 1))
+        decision = self.failure.on_failure(
+            policies.Failure(
+                hosts_in_group=self._target,
+                hosts_lost=len(dead_nodes),
+                processes_lost=len(e.indices) - len(dead_nodes),
+                hosts_alive=len(alive),
+                failures_so_far=self._failures - 1,
+            )
+        )
         if isinstance(decision, policies.Fail):
             return self._fail(decision.reason)
         self.print(f"      {type(decision).__name__.lower()} onto {decision.hosts} hosts: {decision.reason}")
@@ -345,7 +508,7 @@ class JobController:
             return
         self._last_host_check = self.clock()
         available = len(self.cluster.alive_hosts())
-        decision = self.scaling.on_progress(self._group.size, available)
+        decision = self.scaling.on_progress(self._target, available)
         if isinstance(decision, policies.Resize):
             self._stopping = True
             self._target = decision.hosts
@@ -368,6 +531,9 @@ def program_fingerprint(ref: str, abstract_state, abstract_batch) -> str:
     """Identifies a program's shapes for the plan cache: same shapes, same plan."""
     import jax
 
-    leaves = [(jax.tree_util.keystr(p), list(x.shape), str(x.dtype))
-              for tree in (abstract_state, abstract_batch) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    leaves = [
+        (jax.tree_util.keystr(p), list(x.shape), str(x.dtype))
+        for tree in (abstract_state, abstract_batch)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
     return hashlib.sha256(json.dumps([ref, leaves]).encode()).hexdigest()[:16]

@@ -3,6 +3,7 @@
 The group is made for one segment and thrown away after it: a `jax.distributed` group cannot be
 resized in place, so every resize or failure starts a new group with a new coordinator.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,13 +12,13 @@ import queue
 import socket
 import threading
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .worker import SegmentSpec
+from .worker import SegmentSpec, Stop
 
 HOST_RESOURCE = "remesh_host"
 
@@ -29,8 +30,13 @@ class HostsUnavailableError(RuntimeError):
 class HostsLostError(RuntimeError):
     """Actors of the group died or stopped answering."""
 
-    def __init__(self, indices: Sequence[int], node_ids: Sequence[str], detail: str,
-                 survivors: Sequence[tuple[int, "HostStatus"]] = ()):
+    def __init__(
+        self,
+        indices: Sequence[int],
+        node_ids: Sequence[str],
+        detail: str,
+        survivors: Sequence[tuple[int, HostStatus]] = (),
+    ):
         super().__init__(f"hosts {list(indices)} lost: {detail}")
         self.indices = list(indices)
         self.node_ids = list(node_ids)
@@ -58,7 +64,7 @@ class HostActor:
         import jax  # noqa: F401  paid here, while the group forms, not on the critical path later
 
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self._stop = Stop.NO
         self._done = False
         self._error: str | None = None
 
@@ -85,7 +91,7 @@ class HostActor:
             self._reports.put(r)
 
         try:
-            run_segment(spec, report, self._stop.is_set)
+            run_segment(spec, report, lambda: self._stop)
         except BaseException:
             self._error = traceback.format_exc()
         finally:
@@ -100,8 +106,9 @@ class HostActor:
             except queue.Empty:
                 return HostStatus(reports, done, self._error)
 
-    def request_stop(self) -> None:
-        self._stop.set()
+    def request_stop(self, now: bool = False) -> None:
+        """Finish at the next checkpoint boundary, or (`now`) save the step reached and finish."""
+        self._stop = max(self._stop, Stop.NOW if now else Stop.AT_CHECKPOINT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +173,13 @@ class HostGroup:
                 raise SegmentFailedError(f"host {i} failed:\n{s.error}")
         return statuses
 
-    def request_stop(self) -> None:
-        # Only process 0's flag is read (it is broadcast at the checkpoint boundary), but asking
-        # every host costs nothing and survives a change of that rule.
+    def request_stop(self, now: bool = False) -> None:
+        # Only process 0's flag is read (worker.StopAgreement broadcasts it), but asking every
+        # host costs nothing and survives a change of that rule.
         for a in self.actors:
-            a.request_stop.remote()
+            a.request_stop.remote(now)
 
     def shutdown(self) -> None:
         for a in self.actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(self._pg)
-

@@ -4,6 +4,7 @@ A decision is a small frozen value. `ScalingPolicy` decides how many hosts to ru
 when to grow; `FailurePolicy` decides what a failure means: resize onto the hosts left, restart on
 the same hosts, or fail the job with a reason.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,6 +69,18 @@ class FailurePolicy:
     min_hosts: int
     max_hosts: int
     max_failures: int = 10
+    max_stalled_segments: int = 3  # segments in a row that end without completing a step
+
+    def on_segment_end(self, stalled: int, step: int) -> Continue | Fail:
+        """A segment ended before the job's last step (a resize, or a group that stopped early);
+        `stalled` counts such segments in a row that completed no new step."""
+        if stalled >= self.max_stalled_segments:
+            return Fail(
+                f"{stalled} segments in a row ended without completing a step after step {step} "
+                f"(max_stalled_segments={self.max_stalled_segments}): the hosts stop before training; "
+                "see their output above"
+            )
+        return Continue()
 
     def on_failure(self, failure: Failure) -> Resize | Restart | Fail:
         if failure.failures_so_far >= self.max_failures:
@@ -77,5 +90,7 @@ class FailurePolicy:
             return Fail(f"{failure.hosts_alive} hosts left, the job needs at least {self.min_hosts} (hosts.min)")
         if failure.hosts_lost == 0:
             # Only processes died; their hosts are still there, so run on the same hosts again.
-            return Restart(min(failure.hosts_in_group, available), f"{failure.processes_lost} process(es) died on live hosts")
+            return Restart(
+                min(failure.hosts_in_group, available), f"{failure.processes_lost} process(es) died on live hosts"
+            )
         return Resize(available, f"{failure.hosts_lost} host(s) lost")

@@ -11,11 +11,14 @@
 data; any randomness in the step (dropout) must come from a PRNG key kept in the state, so that it
 is checkpointed and restored with it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +43,9 @@ def load_program(ref: str) -> Program:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ProgramError(f"cannot import module {module_name!r} of program {ref!r}: {e}. Run from the directory that holds it, or add it to PYTHONPATH") from e
+        raise ProgramError(
+            f"cannot import module {module_name!r} of program {ref!r}: {e}. Run from the directory that holds it, or add it to PYTHONPATH"
+        ) from e
     if not hasattr(module, attr):
         raise ProgramError(f"module {module_name!r} has no attribute {attr!r} (program {ref!r})")
     program = getattr(module, attr)
@@ -83,4 +88,42 @@ def check_program(program: Program, global_batch: int, seed: int = 0):
         raise ProgramError("program.step must return (state, metrics) with metrics a dict holding 'loss'")
     if jax.tree.structure(out[0]) != jax.tree.structure(state):
         raise ProgramError("program.step must return a new state with the same structure as program.init's")
+    _check_metrics(out[1])
+    _check_state_handling(state)
     return state, abstract_batch
+
+
+def _check_metrics(metrics: Mapping) -> None:
+    import jax
+
+    if jax.numpy.ndim(metrics["loss"]) != 0:
+        raise ProgramError(f"program.step's metrics['loss'] must be a scalar, got shape {metrics['loss'].shape}")
+    others = [
+        jax.tree_util.keystr(p, simple=True, separator="/")
+        for p, v in jax.tree_util.tree_flatten_with_path(metrics)[0]
+        if v.ndim
+    ]
+    if others:
+        warnings.warn(
+            f"program.step returns metrics that are not scalars, which are not recorded: {', '.join(others)}. "
+            "Return scalars (e.g. a mean or a norm) to see them in the summary and the dashboard",
+            ProgramWarning,
+            stacklevel=3,
+        )
+
+
+def _check_state_handling(state) -> None:
+    """What hosts do to every state besides stepping it, done abstractly: the digest and a save."""
+    from checkpoint import CheckpointFormatError, check_savable
+
+    from .digest import check_digestible
+
+    try:
+        check_savable(state)
+        check_digestible(state)
+    except (CheckpointFormatError, TypeError, ValueError) as e:
+        raise ProgramError(f"program.init's state cannot be checkpointed: {type(e).__name__}: {e}") from e
+
+
+class ProgramWarning(UserWarning):
+    """Something in a program that works but is probably not what its author meant."""

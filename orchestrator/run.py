@@ -1,6 +1,8 @@
 """`remesh run`: wire a job file to a cluster, a planner and a controller, and run it."""
+
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -9,18 +11,27 @@ import sys
 import threading
 
 from .chaos import ANY_CLUSTER, ChaosSpecError, parse_chaos
-from .controller import ControllerConfig, JobController, JobStopped, program_fingerprint
+from .console import Console
+from .controller import ControllerConfig, JobController, program_fingerprint
 from .fleet import FleetStoreConfig
-from .metrics import RayMetrics
-from .recorder import FleetRecorder
 from .jobfile import JobSpec
+from .metrics import RayMetrics
 from .program import check_program, load_program
+from .recorder import FleetRecorder
 from .worker import step_flops
 
 
-def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = None, hosts: int | None = None,
-            config: ControllerConfig | None = None, printer=None, store: FleetStoreConfig | None = FleetStoreConfig(),
-            cluster_name: str | None = None):
+def run_job(
+    job: JobSpec,
+    *,
+    chaos: str | None = None,
+    address: str | None = None,
+    hosts: int | None = None,
+    config: ControllerConfig | None = None,
+    printer=None,
+    store: FleetStoreConfig | None = FleetStoreConfig(),  # noqa: B008 (frozen)
+    cluster_name: str | None = None,
+):
     """Run `job` to completion on an embedded local cluster (or the Ray cluster at `address`);
     returns the RunSummary. Progress goes to the fleet store `store` (None: nowhere) under the
     cluster's name (`cluster_name`, else $REMESH_CLUSTER, else where it runs)."""
@@ -30,8 +41,10 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
 
     faults = parse_chaos(chaos)
     if address and any(f.kind not in ANY_CLUSTER for f in faults):
-        raise ChaosSpecError("--chaos lose, add and lose-in-save kill and add emulated hosts, which needs the embedded "
-                             f"cluster: drop --address (on a running cluster only {', '.join(ANY_CLUSTER)} applies)")
+        raise ChaosSpecError(
+            "--chaos lose, add and lose-in-save kill and add emulated hosts, which needs the embedded "
+            f"cluster: drop --address (on a running cluster only {', '.join(ANY_CLUSTER)} applies)"
+        )
     sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job runs in
     program = load_program(job.program)
     state, batch = check_program(program, job.global_batch, job.seed)
@@ -43,42 +56,92 @@ def run_job(job: JobSpec, *, chaos: str | None = None, address: str | None = Non
             return partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware=job.hardware)
         return partitioner.plan(program.step, state, batch, devices=devices, hardware=job.hardware, level=job.planner)
 
-    config = config or ControllerConfig()
+    config = _with_job_paths(config or ControllerConfig(), job)
+    committed = lambda: _committed_step(job.checkpoint.dir)
+    with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console
+        if committed() >= job.steps:
+            cluster = _NoHosts()  # a finished job: the controller ends it before asking for hosts
+        elif address:
+            cluster = RayCluster(address)
+        else:
+            if printer is None:
+                log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
+                printer = stack.enter_context(Console(log)).print
+                printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
+            n = hosts or job.hosts.max
+            printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
+            cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
+        stack.callback(cluster.shutdown)
+        recorder = None
+        if store is not None:
+            name = cluster_name or os.environ.get("REMESH_CLUSTER") or _cluster_name(address)
+            recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics())
+        controller = JobController(
+            job,
+            cluster,
+            planner=planner,
+            fingerprint=fingerprint,
+            config=config,
+            chaos=faults,
+            printer=printer,
+            recorder=recorder,
+            model_flops=model_flops,
+            committed=committed,
+        )
+        with _stop_on_signals(controller):
+            summary = controller.run()
+    return summary
+
+
+def _with_job_paths(config: ControllerConfig, job: JobSpec) -> ControllerConfig:
     pythonpath = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-    config = dataclasses.replace(
+    return dataclasses.replace(
         config,
         env_vars={"PYTHONPATH": pythonpath, **config.env_vars},
         compilation_cache=config.compilation_cache or os.path.join(os.path.dirname(job.checkpoint.dir), "xla-cache"),
     )
-    if address:
-        cluster = RayCluster(address)
-    else:
-        n = hosts or job.hosts.max
-        (printer or print)(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
-        cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
-    _stop_on_sigterm()
-    try:
-        recorder = None
-        if store is not None:
-            name = cluster_name or os.environ.get("REMESH_CLUSTER") or (
-                address if address and address != "auto" else f"{'ray' if address else 'embedded'}@{socket.gethostname()}")
-            recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics())
-        controller = JobController(job, cluster, planner=planner, fingerprint=fingerprint, config=config,
-                                   chaos=faults, printer=printer, recorder=recorder, model_flops=model_flops)
-        summary = controller.run()
-    finally:
-        cluster.shutdown()
-    return summary
 
 
-def _stop_on_sigterm() -> None:
-    """`remesh stop` (Ray's stop_job) sends SIGTERM: unwind through the controller, so the hosts
-    are stopped and the fleet store and summary say the job was stopped. Installed after Ray
-    connects, whose own handler for SIGTERM would otherwise end the process on the spot."""
+def _cluster_name(address: str | None) -> str:
+    if address and address != "auto":
+        return address
+    return f"{'ray' if address else 'embedded'}@{socket.gethostname()}"
+
+
+def _committed_step(directory: str) -> int:
+    """The newest committed checkpoint step in `directory` (0: none)."""
+    from checkpoint import Store
+
+    steps = Store(directory).steps()
+    return steps[-1] if steps else 0
+
+
+class _NoHosts:
+    """The cluster of a job that is already complete: nothing to start or stop."""
+
+    def alive_hosts(self) -> list[str]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _stop_on_signals(controller: JobController):
+    """SIGTERM (`remesh stop`, Kubernetes, `timeout`) and SIGINT (Ctrl-C) stop the job through the
+    controller: a training group saves the step it reached and ends; a second signal, or one while
+    no group trains, stops at once. Installed after Ray connects, whose own SIGTERM handler would
+    end the process on the spot; the previous handlers come back afterwards."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
 
-    def stopped(signum, frame):
-        raise JobStopped(f"stopped by signal {signal.Signals(signum).name}")
+    def stop(signum, frame):
+        controller.request_stop(f"stopped by signal {signal.Signals(signum).name}")
 
-    signal.signal(signal.SIGTERM, stopped)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

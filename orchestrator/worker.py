@@ -9,16 +9,20 @@ checkpoint boundary. Everything it does is reported as small dicts through `repo
 Process set-up (`XLA_FLAGS` for fake devices, `JAX_PLATFORMS`) must happen before jax is imported,
 so it belongs to whoever starts the process, never to this module.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import enum
 import json
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .chaos import SLOW_INPUT_SECONDS
+from .digest import KIND as DIGEST_KIND
+from .digest import compile_digest, digest
 from .jobfile import CheckpointSpec
 
 Report = Callable[[dict], None]
@@ -42,7 +46,7 @@ class SegmentSpec:
     num_processes: int
     process_id: int
     segment: int = 0
-    digest: bool = True  # record a digest of the state at every save and restore (bitwise checks)
+    digest: bool = True  # record a digest of the state at every save, check it at restore (digest.py)
     freeze_before_save: int | None = None  # fault injection: hang instead of saving this step
     slow_input_from: int | None = None  # fault injection: a straggler's slow input from this step on
     compilation_cache: str | None = None
@@ -55,7 +59,7 @@ class SegmentSpec:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "SegmentSpec":
+    def from_json(cls, text: str) -> SegmentSpec:
         d = json.loads(text)
         d["checkpoint"] = CheckpointSpec(**d["checkpoint"])
         return cls(**d)
@@ -97,7 +101,7 @@ def _process_invariant_cpu_cache_keys() -> None:
     cache_key._hash_accelerator_config = hash_accelerator_config
 
 
-def _compile_once(lowered, spec: "SegmentSpec"):
+def _compile_once(lowered, spec: SegmentSpec):
     """One process compiles the step and hands the executable to the others via the coordinator,
     instead of every host compiling the same SPMD program (hosts that share cores, as emulated
     hosts do, would each take n times as long). Scoped to this compile: Orbax compiles helpers on
@@ -129,10 +133,58 @@ class _Laps:
         self._last = now
 
 
-def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], bool] = lambda: False) -> dict:
+class Stop(enum.IntEnum):
+    """What the controller asked of a running segment."""
+
+    NO = 0
+    AT_CHECKPOINT = 1  # finish the segment at the next checkpoint boundary (a resize)
+    NOW = 2  # save the step reached and finish (a stop or a preemption)
+
+
+class StopAgreement:
+    """Makes every process of the group stop after the same step.
+
+    A request reaches each host at a different moment, so it is acted on only at steps that all
+    processes agree to check, by one small broadcast from process 0: every checkpoint boundary, and
+    in between about every `check_seconds` of steps (process 0 proposes the interval with the
+    flag), so the collective costs a bounded share of step time however short the steps are."""
+
+    def __init__(self, should_stop: Callable[[], Stop], processes: int, check_seconds: float = 0.5):
+        self._should_stop = should_stop
+        self._processes = processes
+        self._check_seconds = check_seconds
+        self._next = 0  # the next step to check at (0: the first step)
+
+    def agree(self, step: int, boundary: bool, step_seconds: float) -> Stop:
+        if self._processes == 1:
+            return self._should_stop()
+        if not (boundary or step >= self._next):
+            return Stop.NO
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        interval = max(1, int(self._check_seconds / max(step_seconds, 1e-6)))
+        proposal = np.array([int(self._should_stop()), interval], np.int32)
+        agreed = multihost_utils.broadcast_one_to_all(proposal)
+        self._next = step + int(agreed[1])
+        return Stop(int(agreed[0]))
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Every scalar a step returned, by slash path (`aux/z_loss`); arrays are left out (a step
+    that returns none but its loss reports only the loss)."""
     import jax
     import numpy as np
-    from jax.experimental import multihost_utils
+
+    out = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+        if np.ndim(value) == 0:
+            out[jax.tree_util.keystr(path, simple=True, separator="/")] = float(value)
+    return out
+
+
+def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Stop] = lambda: Stop.NO) -> dict:
+    import jax
 
     from checkpoint import StoreConfig
     from partitioner import Plan, profile
@@ -152,20 +204,27 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
     batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    store = StoreConfig(keep_last=spec.checkpoint.keep, keep_every=spec.checkpoint.keep_every or None).create(spec.checkpoint.dir)
+    store = StoreConfig(keep_last=spec.checkpoint.keep, keep_every=spec.checkpoint.keep_every or None).create(
+        spec.checkpoint.dir
+    )
     lap("load")
-    state, first = _restore_or_init(store, program, key, abstract_state, state_sh, spec, lap)
 
-    step_fn = jax.jit(program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                      donate_argnums=(0,))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
+    step_fn = jax.jit(
+        program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=(0,)
+    )
     compiled = _compile_once(step_fn.lower(abstract_state, abstract_batch), spec)
+    digest_fn = compile_digest(target) if spec.digest else None
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", **flops)
+
+    state, first = _restore_or_init(store, program, key, target, digest_fn, spec, lap)
 
     tokens = spec.global_batch * program.tokens_per_example
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = plan.devices_used * profile(spec.hardware).peak_flops
     done = first
+    stops = StopAgreement(should_stop, spec.num_processes)
     for index in range(first, spec.steps):
         t_input = time.time()
         batch = _global_batch(program.batch(index, spec.global_batch), batch_sh)
@@ -174,19 +233,32 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], boo
         t_dispatch = time.time()
         state, metrics = compiled(state, batch)
         t_wait = time.time()
-        loss = float(metrics["loss"])  # also the step's sync point
+        values = scalar_metrics(jax.device_get(metrics))  # also the step's sync point
         done = index + 1
         seconds, now = lap.split()
         # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
         # time each host waited at the sync point can: the straggler waits least, the others for it.
-        lap("step", now=now, step=done, loss=loss, tokens_per_second=tokens / seconds,
-            mfu=flops["model_flops"] / (seconds * peak), input_seconds=t_dispatch - t_input, wait_seconds=now - t_wait)
-        if done % spec.checkpoint.every == 0 or done == spec.steps:
-            _save(store, state, plan, done, spec, report)
-            stop = multihost_utils.broadcast_one_to_all(np.int32(should_stop()))
+        lap(
+            "step",
+            now=now,
+            step=done,
+            loss=values.pop("loss"),
+            metrics=values,
+            tokens_per_second=tokens / seconds,
+            mfu=flops["model_flops"] / (seconds * peak),
+            input_seconds=t_dispatch - t_input,
+            wait_seconds=now - t_wait,
+        )
+        boundary = done % spec.checkpoint.every == 0 or done == spec.steps
+        if boundary:
+            _save(store, state, plan, digest_fn, done, spec, report)
+        stop = stops.agree(done, boundary, seconds)
+        if stop is Stop.NOW and not boundary:
+            _save(store, state, plan, digest_fn, done, spec, report)  # commit the step reached
+        if boundary or stop is Stop.NOW:
             lap("checkpoint", step=done)
-            if done < spec.steps and int(stop):
-                break
+        if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
+            break
     store.wait()
     lap("checkpoint_flush", step=done)
     store.close()
@@ -221,7 +293,7 @@ def _flops(analysis) -> float | None:
     return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
-def _restore_or_init(store, program, key, abstract_state, state_sh, spec: SegmentSpec, lap: _Laps):
+def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, lap: _Laps):
     """Restore the newest committed step that every process reads intact, or initialise.
 
     A step that fails its checksums (or its digest) on any process is moved aside on all of them
@@ -231,13 +303,12 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
 
     from checkpoint import CheckpointCorruptError, CheckpointFormatError
 
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
     committed = store.steps()
     for step in reversed(committed):
         try:
             state = store.restore(step, target=target)
             meta = store.last_restore.meta
-            event = _check_digest(state, meta, step, spec)
+            event = _check_digest(digest_fn, state, meta, step, spec)
             error = None
         except (CheckpointCorruptError, CheckpointFormatError, RestoredStateMismatchError) as e:
             error = e
@@ -252,21 +323,23 @@ def _restore_or_init(store, program, key, abstract_state, state_sh, spec: Segmen
     if committed:
         raise CheckpointCorruptError(
             f"no checkpoint in {spec.checkpoint.dir} restores intact: steps {committed} were all damaged and moved "
-            "aside as <step>.corrupt; move one back to inspect it, or start the job in a new checkpoint directory")
-    state = jax.jit(program.init, out_shardings=state_sh)(key)
+            "aside as <step>.corrupt; move one back to inspect it, or start the job in a new checkpoint directory"
+        )
+    state = jax.jit(program.init, out_shardings=jax.tree.map(lambda t: t.sharding, target))(key)
     jax.block_until_ready(state)
     lap("init")
     return state, 0
 
 
-def _check_digest(state, meta: dict, step: int, spec: SegmentSpec) -> dict:
-    if not (spec.digest and meta.get("digest")):
+def _check_digest(digest_fn, state, meta: dict, step: int, spec: SegmentSpec) -> dict:
+    if digest_fn is None or not str(meta.get("digest", "")).startswith(DIGEST_KIND):
         return {}
-    event = {"digest": state_digest(state), "saved_digest": meta["digest"]}
+    event = {"digest": digest(digest_fn, state), "saved_digest": meta["digest"]}
     if event["digest"] != event["saved_digest"]:
         raise RestoredStateMismatchError(
             f"the state restored from step {step} in {spec.checkpoint.dir} does not match the digest saved "
-            f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): the checkpoint is corrupt")
+            f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): the checkpoint is corrupt"
+        )
     return event
 
 
@@ -280,17 +353,23 @@ def _all_agree(ok: bool) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _save(store, state, plan, step: int, spec: SegmentSpec, report: Report) -> None:
+def _save(store, state, plan, digest_fn, step: int, spec: SegmentSpec, report: Report) -> None:
     if spec.freeze_before_save == step:
         # Fault injection: the previous checkpoint is complete, this one is begun by the other
         # hosts and never finished by this one; hang here until the controller kills the host.
         store.wait()
         report({"kind": "chaos_frozen", "step": step})
         threading.Event().wait()
-    meta = {"data_position": step, "segment": spec.segment, "program": spec.program, "seed": spec.seed,
-            "program_fingerprint": spec.fingerprint, "global_batch": spec.global_batch}
-    if spec.digest:
-        meta["digest"] = state_digest(state)
+    meta = {
+        "data_position": step,
+        "segment": spec.segment,
+        "program": spec.program,
+        "seed": spec.seed,
+        "program_fingerprint": spec.fingerprint,
+        "global_batch": spec.global_batch,
+    }
+    if digest_fn is not None:
+        meta["digest"] = digest(digest_fn, state)
     store.save(step, state, plan=plan, meta=meta)
 
 
@@ -299,26 +378,14 @@ def _global_batch(host_batch: Any, shardings: Any):
     import jax
     import numpy as np
 
+    # dtype given: a process whose devices the plan leaves out holds no shard to infer it from.
     return jax.tree.map(
-        lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]), host_batch, shardings)
-
-
-def state_digest(state: Any) -> str:
-    """SHA-256 over every leaf's global value (gathered), independent of mesh and sharding."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if leaf.is_fully_replicated:  # every process holds it whole: nothing to gather
-            value = np.asarray(leaf.addressable_data(0))
-        else:
-            value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        h.update(jax.tree_util.keystr(path).encode())
-        h.update(str(value.dtype).encode() + str(value.shape).encode())
-        h.update(np.ascontiguousarray(value).tobytes())
-    return h.hexdigest()
+        lambda x, s: jax.make_array_from_callback(
+            np.shape(x), s, lambda idx: np.asarray(x)[idx], dtype=np.asarray(x).dtype
+        ),
+        host_batch,
+        shardings,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

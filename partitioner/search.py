@@ -11,6 +11,7 @@ This is deliberately simple: it reads shapes, not the computation. `partitioner.
 search (`automap.py`); this one stays as `plan_by_shapes`, a baseline and a job file's
 `planner = "shapes"`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,13 +73,18 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
     for m in range(n, 0, -1):
         if batch_dim % m:
             continue
-        fitting = [c for c in _candidates(m, abstract, batch_argnums, flops, hw) if c.cost.peak_bytes_per_device <= limit]
+        fitting = [
+            c for c in _candidates(m, abstract, batch_argnums, flops, hw) if c.cost.peak_bytes_per_device <= limit
+        ]
         if fitting:
             chosen = min(fitting, key=lambda c: c.fsdp)  # data parallel when it fits, else least FSDP
             break
         notes.append(f"no {m}-device mesh fits {limit / 2**30:.2f} GiB per device")
     if chosen is None:
-        smallest = min((c.cost.peak_bytes_per_device for c in _candidates(_largest_divisor(batch_dim, n), abstract, batch_argnums, flops, hw)))
+        smallest = min(
+            c.cost.peak_bytes_per_device
+            for c in _candidates(_largest_divisor(batch_dim, n), abstract, batch_argnums, flops, hw)
+        )
         raise PlanMemoryError(
             f"no plan fits the memory limit of {limit:,} bytes per device on {n} devices: the best "
             f"needs {smallest:,} bytes, {smallest - limit:,} over. Add devices, raise memory_limit, "
@@ -86,8 +92,11 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
         )
     used = chosen.data * chosen.fsdp
     if used < n:
-        notes.insert(0, f"using {used} of {n} devices: the batch dimension {batch_dim} does not divide by "
-                        + ", ".join(str(k) for k in range(n, used, -1)))
+        notes.insert(
+            0,
+            f"using {used} of {n} devices: the batch dimension {batch_dim} does not divide by "
+            + ", ".join(str(k) for k in range(n, used, -1)),
+        )
     if chosen.fsdp > 1:
         notes.append(f"FSDP over {chosen.fsdp} devices: replicated state would exceed the memory limit")
     batch_spec = P(tuple(chosen.mesh)) if used > 1 else P()
@@ -97,8 +106,13 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
     )
     out_specs = _out_specs(out, abstract, in_specs, batch_argnums)
     return Plan(
-        mesh=chosen.mesh, in_specs=in_specs, out_specs=out_specs, cost=chosen.cost,
-        search_seconds=time.perf_counter() - start, devices=n, notes=tuple(notes),
+        mesh=chosen.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        cost=chosen.cost,
+        search_seconds=time.perf_counter() - start,
+        devices=n,
+        notes=tuple(notes),
     )
 
 
@@ -144,7 +158,10 @@ def _largest_divisor(k: int, n: int) -> int:
 
 def _candidates(m: int, abstract, batch_argnums, flops: float, hw: Hardware):
     for f in (d for d in range(1, m + 1) if m % d == 0):
-        specs = tuple(None if i in batch_argnums else jax.tree.map(lambda x: _fsdp_spec(x, f), a) for i, a in enumerate(abstract))
+        specs = tuple(
+            None if i in batch_argnums else jax.tree.map(lambda x: _fsdp_spec(x, f), a)  # noqa: B023
+            for i, a in enumerate(abstract)
+        )
         yield _Candidate(m // f, f, specs, _cost(m // f, f, abstract, batch_argnums, specs, flops, hw))
 
 
@@ -160,12 +177,16 @@ def _fsdp_spec(x, f: int) -> P:
 
 
 def _nbytes(x) -> int:
-    return int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    return int(math.prod(x.shape)) * x.dtype.itemsize  # a typed PRNG key dtype has no numpy equivalent
 
 
 def _cost(d, f, abstract, batch_argnums, specs, flops, hw: Hardware) -> Cost:
-    state_leaves = [(l, s) for i, a in enumerate(abstract) if i not in batch_argnums
-                    for l, s in zip(jax.tree.leaves(a), jax.tree.leaves(specs[i], is_leaf=lambda z: isinstance(z, P)))]
+    state_leaves = [
+        (l, s)
+        for i, a in enumerate(abstract)
+        if i not in batch_argnums
+        for l, s in zip(jax.tree.leaves(a), jax.tree.leaves(specs[i], is_leaf=lambda z: isinstance(z, P)))
+    ]
     # Upper bound: every floating-point state leaf is treated as a gradient to reduce.
     grads = sum(_nbytes(l) for l, _ in state_leaves if jax.numpy.issubdtype(l.dtype, jax.numpy.floating))
     sharded = sum(_nbytes(l) // (f if any(s) else 1) for l, s in state_leaves)
@@ -195,11 +216,13 @@ def _ring(nbytes: float, group: int, hw: Hardware) -> float:
 def _out_specs(out, abstract, in_specs, batch_argnums):
     """Outputs that mirror a state argument keep its specs (the step returns the new state);
     everything else (metrics) is replicated."""
+
     def specs_for(o):
         for i, a in enumerate(abstract):
             if i not in batch_argnums and jax.tree.structure(a) == jax.tree.structure(o):
                 return in_specs[i]
         return jax.tree.map(lambda _: P(), o)
+
     if isinstance(out, tuple):
         return tuple(specs_for(o) for o in out)
     return specs_for(out)

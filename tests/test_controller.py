@@ -1,5 +1,6 @@
 """The controller as a state machine, one transition at a time, with the host group and cluster
 injected (as Ray Train tests swap `worker_group_cls`): pure logic, no Ray, no devices."""
+
 import itertools
 
 import pytest
@@ -21,6 +22,8 @@ class World:
         self.groups = []
         self.broken = False
         self.survivors_report = False  # hosts still alive answer the poll that finds the loss
+        self.stall = False  # groups end before training (a host that exits at once, say)
+        self.ignore_stop = False  # groups that never act on a stop request (a hung host)
 
     def alive_hosts(self):
         return list(self.alive)
@@ -48,6 +51,8 @@ def fake_group_cls(world, every, now):
         def start(self, spec_for):
             self.specs = [spec_for(i, "127.0.0.1:1") for i in range(self.size)]
             self.step = world.committed
+            self.pending = [{"kind": "restore", "step": self.step, "seconds": 0.01, "at": now()}] if self.step else []
+            self.stop_now = False
 
         def poll(self):
             if world.broken:
@@ -57,15 +62,37 @@ def fake_group_cls(world, every, now):
                 survivors = []
                 if world.survivors_report:  # they finished one more step before the loss was seen
                     self.step += 1
-                    r = {"kind": "step", "step": self.step, "loss": 1.0 / self.step, "seconds": 0.1, "at": now(),
-                         "tokens_per_second": 10.0, "mfu": 0.5}
+                    r = {
+                        "kind": "step",
+                        "step": self.step,
+                        "loss": 1.0 / self.step,
+                        "seconds": 0.1,
+                        "at": now(),
+                        "tokens_per_second": 10.0,
+                        "mfu": 0.5,
+                    }
                     survivors = [(i, HostStatus([r], False, None)) for i in range(self.size) if i not in dead]
                 raise HostsLostError(dead, [self.node_ids[i] for i in dead], "ActorDiedError", survivors)
-            if self.step >= self.specs[0].steps:
-                return [HostStatus([], True, None)] * self.size
+            pending, self.pending = self.pending, []
+            if world.stall or self.step >= self.specs[0].steps:
+                return [HostStatus(list(pending), True, None) for _ in range(self.size)]
+            if self.stop_now and not world.ignore_stop:  # save the step reached, then end
+                world.committed = self.step
+                saved = {"kind": "checkpoint", "step": self.step, "seconds": 0.01, "at": now()}
+                return [HostStatus([*pending, saved], True, None) for _ in range(self.size)]
             self.step += 1
-            reports = [{"kind": "step", "step": self.step, "loss": 1.0 / self.step, "seconds": 0.1, "at": now(),
-                        "tokens_per_second": 10.0, "mfu": 0.5}]
+            reports = [
+                *pending,
+                {
+                    "kind": "step",
+                    "step": self.step,
+                    "loss": 1.0 / self.step,
+                    "seconds": 0.1,
+                    "at": now(),
+                    "tokens_per_second": 10.0,
+                    "mfu": 0.5,
+                },
+            ]
             done = False
             if self.step % every == 0:
                 world.committed = self.step
@@ -74,8 +101,9 @@ def fake_group_cls(world, every, now):
             done = done or self.step >= self.specs[0].steps
             return [HostStatus(list(reports), done, None) for _ in range(self.size)]
 
-        def request_stop(self):
+        def request_stop(self, now=False):
             self.stop = True
+            self.stop_now = self.stop_now or now
 
         def shutdown(self):
             pass
@@ -84,20 +112,43 @@ def fake_group_cls(world, every, now):
 
 
 def fake_plan(devices):
-    return Plan(mesh={"data": devices}, in_specs=((), ()), out_specs=(), devices=devices, search_seconds=0.0,
-                cost=Cost(0.0, 0.0, {}, 0))
+    return Plan(
+        mesh={"data": devices},
+        in_specs=((), ()),
+        out_specs=(),
+        devices=devices,
+        search_seconds=0.0,
+        cost=Cost(0.0, 0.0, {}, 0),
+    )
 
 
-def make(world, chaos=(), steps=30):
-    job = parse_job({"name": "t", "program": "m:p", "steps": steps, "global_batch": 8,
-                     "hosts": {"min": 2, "max": 4, "devices_per_host": 2},
-                     "checkpoint": {"dir": "/tmp/x", "every": 5}})
+def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0):
+    job = parse_job(
+        {
+            "name": "t",
+            "program": "m:p",
+            "steps": steps,
+            "global_batch": 8,
+            "hosts": {"min": 2, "max": 4, "devices_per_host": 2},
+            "checkpoint": {"dir": "/tmp/x", "every": 5},
+        }
+    )
     ticks = itertools.count()
     now = lambda: float(next(ticks))  # one clock for the controller and the hosts' stamps, 1 s a read
-    return JobController(job, world, planner=fake_plan, fingerprint="f", chaos=chaos,
-                         config=ControllerConfig(poll_interval_s=0, host_check_interval_s=0),
-                         group_cls=fake_group_cls(world, 5, now), clock=now, wall=now,
-                         sleep=lambda s: None, printer=lambda s: None)
+    return JobController(
+        job,
+        world,
+        planner=fake_plan,
+        fingerprint="f",
+        chaos=chaos,
+        config=ControllerConfig(poll_interval_s=0, host_check_interval_s=0, stop_grace_s=grace),
+        group_cls=fake_group_cls(world, 5, now),
+        clock=now,
+        wall=now,
+        sleep=lambda s: None,
+        printer=lambda s: None,
+        committed=committed,
+    )
 
 
 def run_until(c, pred, limit=500):
@@ -211,3 +262,60 @@ def test_steps_reported_in_the_poll_that_finds_a_loss_are_kept_even_without_proc
             seen = sorted(c.summary.losses)
     # Step 13 came only from the survivors' answers to the poll that found the loss.
     assert seen[-1] == 13 and c.summary.losses[13] == pytest.approx(1 / 13)
+
+
+def test_a_rerun_of_a_finished_job_ends_at_once_without_starting_hosts():
+    world = World(4)
+    c = make(world, committed=lambda: 30)
+    summary = c.run()
+    assert summary.state == "finished" and summary.steps_completed == 30
+    assert "already complete" in summary.reason and not world.groups
+
+
+def test_a_segment_restored_at_the_last_step_finishes_the_job():
+    # The job's final step is committed but the controller was not told (a checkpoint written
+    # while it planned, say): the group restores step 30, has nothing left and ends.
+    world = World(4)
+    world.committed = 30
+    c = make(world)
+    run_until(c, lambda: c.phase.is_terminal, limit=20)
+    assert c.phase is Phase.FINISHED and c.summary.steps_completed == 30 and len(world.groups) == 1
+
+
+def test_segments_that_end_without_a_new_step_fail_after_a_bounded_number():
+    world = World(4)
+    c = make(world)
+    run_until(c, lambda: c.summary.steps_completed == 7)
+    world.stall = True
+    run_until(c, lambda: c.phase.is_terminal, limit=50)
+    assert c.phase is Phase.FAILED and "3 segments in a row ended without completing a step" in c.summary.reason
+    assert len(world.groups) == 4  # the one that trained, then three that did not
+
+
+def test_a_stop_saves_the_step_reached_and_stops_the_hosts():
+    world = World(4)
+    c = make(world)
+    run_until(c, lambda: c.summary.steps_completed == 7)
+    c.request_stop("stopped by signal SIGTERM")
+    assert c.step() is Phase.STOPPING
+    run_until(c, lambda: c.phase.is_terminal, limit=10)
+    assert c.phase is Phase.STOPPED and world.committed == c.summary.steps_completed >= 7
+    assert c.summary.reason.startswith("stopped by signal SIGTERM")
+
+
+def test_a_stop_is_bounded_by_its_grace_and_a_second_request_is_immediate():
+    from orchestrator.controller import JobStopped
+
+    world = World(4)
+    world.ignore_stop = True
+    c = make(world, grace=5.0)  # the fake clock advances 1 s a read
+    run_until(c, lambda: c.summary.steps_completed == 7)
+    c.request_stop("stopped by signal SIGTERM")
+    run_until(c, lambda: c.phase.is_terminal, limit=30)
+    assert c.phase is Phase.STOPPED and "did not finish within 5 s" in c.summary.reason
+    assert world.committed == 5  # the newest commit stands
+
+    c = make(World(4))
+    c.step()
+    with pytest.raises(JobStopped):  # nothing trains yet: stop at once
+        c.request_stop("stopped by signal SIGINT")

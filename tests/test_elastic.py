@@ -3,6 +3,7 @@ jax.distributed groups (Gloo), real Orbax checkpoints, faults injected by killin
 
 Each scenario is one `remesh run` subprocess (the CLI users run), shared by the tests that read it.
 """
+
 import json
 import os
 import subprocess
@@ -10,7 +11,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
 from helpers.jobs import gpt_job
 
@@ -23,8 +23,17 @@ def run_job(tmp_path_factory, name, steps, chaos=None):
     d = tmp_path_factory.mktemp(name)
     job = d / "job.toml"
     job.write_text(gpt_job(name, steps, max_hosts=4, checkpoint_dir="ckpt"))
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(job), "--summary", str(d / "summary.json"),
-           "--store", str(d / "fleet.db")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        str(job),
+        "--summary",
+        str(d / "summary.json"),
+        "--store",
+        str(d / "fleet.db"),
+    ]
     if chaos:
         cmd += ["--chaos", chaos]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -138,16 +147,17 @@ def test_every_committed_checkpoint_survives_and_verifies(elastic, coordinator_l
 
     from checkpoint import Store
     from examples.gpt.model import program
-    from orchestrator.worker import state_digest
+    from orchestrator.digest import compile_digest, digest
 
     abstract = jax.eval_shape(program.init, jax.random.key(0))
+    digest_fn = compile_digest(abstract)
     for run in (elastic, coordinator_lost, lost_in_save):
         store = Store(run["_ckpt"])
         steps = store.steps()
         assert steps == [run["steps"] - 20, run["steps"] - 10, run["steps"]]  # keep = 3
         for step in steps:
             state = store.restore(step, target=abstract)
-            assert state_digest(state) == store.metadata(step)["meta"]["digest"]
+            assert digest(digest_fn, state) == store.metadata(step)["meta"]["digest"]
 
 
 def test_goodput_with_a_host_loss_adds_up_to_the_wall_time_with_each_part_measured(elastic):

@@ -44,13 +44,16 @@ def test_check_program_accepts_a_good_program():
     assert state["w"].shape == (4,) and batch["x"].shape == (8, 4)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"batch": lambda step, size: {"x": np.zeros((size + 1, 4), np.float32)}}, "expected leading dimension 8"),
-    ({"step": lambda s, b: (s, {"acc": 1.0})}, "holding 'loss'"),
-    ({"step": lambda s, b: ({"other": s["w"]}, {"loss": 0.0})}, "same structure"),
-    ({"init": lambda key: 1 / 0}, "program.init"),
-    ({"step": lambda s, b: s["missing"]}, "program.step"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"batch": lambda step, size: {"x": np.zeros((size + 1, 4), np.float32)}}, "expected leading dimension 8"),
+        ({"step": lambda s, b: (s, {"acc": 1.0})}, "holding 'loss'"),
+        ({"step": lambda s, b: ({"other": s["w"]}, {"loss": 0.0})}, "same structure"),
+        ({"init": lambda key: 1 / 0}, "program.init"),
+        ({"step": lambda s, b: s["missing"]}, "program.step"),
+    ],
+)
 def test_check_program_rejects_broken_programs(overrides, message):
     with pytest.raises(ProgramError, match=message):
         check_program(good_program(**overrides), 8)
@@ -63,3 +66,31 @@ def test_example_program_batches_are_deterministic_in_the_step():
     np.testing.assert_array_equal(a["inputs"], b["inputs"])
     assert not np.array_equal(a["inputs"], c["inputs"])
     np.testing.assert_array_equal(a["inputs"][:, 1:], a["targets"][:, :-1])
+
+
+def test_a_state_that_cannot_be_checkpointed_is_refused_before_any_host_starts():
+    clash = good_program(
+        init=lambda key: {"w": jnp.zeros((4,)), "a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}},
+        step=lambda s, b: (s, {"loss": jnp.sum(s["w"]) + jnp.sum(b["x"])}),
+    )
+    with pytest.raises(ProgramError, match="cannot be checkpointed.*would both be saved as 'a/b'"):
+        check_program(clash, 8)
+
+
+def test_typed_prng_keys_in_the_state_pass_every_check():
+    import jax
+
+    keyed = good_program(
+        init=lambda key: {"w": jnp.zeros((4,)), "rng": jax.random.split(key, 2)},
+        step=lambda s, b: (s, {"loss": jnp.sum(s["w"]) + jnp.sum(b["x"])}),
+    )
+    state, _ = check_program(keyed, 8)
+    assert jax.dtypes.issubdtype(state["rng"].dtype, jax.dtypes.prng_key)
+
+
+def test_metrics_that_are_not_scalars_are_named_in_a_warning():
+    from orchestrator.program import ProgramWarning
+
+    wide = good_program(step=lambda s, b: (s, {"loss": jnp.sum(s["w"]), "per_example": jnp.sum(b["x"], axis=1)}))
+    with pytest.warns(ProgramWarning, match="not recorded: per_example"):
+        check_program(wide, 8)

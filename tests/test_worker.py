@@ -1,14 +1,15 @@
 """The per-host worker as a plain function, without Ray: one process, fake devices."""
+
 import json
 import os
 
 import pytest
 
+import partitioner
 from checkpoint import CheckpointCorruptError, Store
 from checkpoint.layout import manifest_checksum
-
-import partitioner
 from orchestrator import check_program
+from orchestrator.digest import KIND as DIGEST_KIND
 from orchestrator.jobfile import CheckpointSpec
 from orchestrator.worker import SegmentSpec, run_segment
 
@@ -26,9 +27,17 @@ def spec(tmp_path, devices, steps, planner="shapes"):
         plan = search(program.step, state, batch, devices=devices, hardware="cpu")[0]
     else:
         plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
-    return SegmentSpec(program="examples.gpt.model:program", steps=steps, global_batch=24, seed=0,
-                       checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2), plan_json=plan.to_json(),
-                       coordinator="", num_processes=1, process_id=0)
+    return SegmentSpec(
+        program="examples.gpt.model:program",
+        steps=steps,
+        global_batch=24,
+        seed=0,
+        checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2),
+        plan_json=plan.to_json(),
+        coordinator="",
+        num_processes=1,
+        process_id=0,
+    )
 
 
 def test_resumes_on_another_mesh_at_the_saved_data_position(tmp_path, devices8):
@@ -82,7 +91,7 @@ def test_a_restore_that_does_not_match_its_digest_falls_back_and_none_intact_is_
     run_segment(spec(tmp_path, 8, 10), lambda r: None)
     path = tmp_path / "ckpt" / "10" / "remesh.json"
     doc = json.load(open(path))
-    doc["meta"]["digest"] = "0" * 64
+    doc["meta"]["digest"] = DIGEST_KIND + "0" * 64
     doc["checksum"] = manifest_checksum(doc)  # a consistent manifest whose state digest is wrong
     json.dump(doc, open(path, "w"))
     reports = []
@@ -94,3 +103,32 @@ def test_a_restore_that_does_not_match_its_digest_falls_back_and_none_intact_is_
         damage_a_chunk(tmp_path / "ckpt" / str(step))
     with pytest.raises(CheckpointCorruptError, match="no checkpoint in .* restores intact"):
         run_segment(spec(tmp_path, 8, 12), lambda r: None)
+
+
+def nnx_spec(tmp_path, devices, steps):
+    from tests.programs.nnx_mlp import program
+
+    state, batch = check_program(program, 8)
+    plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
+    return SegmentSpec(
+        program="tests.programs.nnx_mlp:program",
+        steps=steps,
+        global_batch=8,
+        seed=0,
+        checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2),
+        plan_json=plan.to_json(),
+        coordinator="",
+        num_processes=1,
+        process_id=0,
+    )
+
+
+def test_a_flax_nnx_state_with_typed_keys_saves_and_resumes_on_another_mesh(tmp_path, devices8):
+    first, second = [], []
+    run_segment(nnx_spec(tmp_path, 8, 10), first.append)
+    run_segment(nnx_spec(tmp_path, 4, 12), second.append)
+    restore = next(r for r in second if r["kind"] == "restore")
+    assert restore["step"] == 10 and restore["digest"] == restore["saved_digest"]
+    steps = [r for r in first + second if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(set(r["metrics"]) == {"grad_norm"} and r["metrics"]["grad_norm"] > 0 for r in steps)
