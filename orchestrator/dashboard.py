@@ -1,11 +1,14 @@
 """`remesh dashboard`: the fleet store as web pages and a JSON API, on 127.0.0.1 by default.
 
     /                   every job: state, mesh, step, tokens/s, MFU, goodput
-    /jobs/<name>        one job: throughput and loss over time with resize, failure and restore
-                        events marked, goodput breakdown, the plan of each segment, per-host step times
-    /api/jobs           the fleet as JSON
-    /api/jobs/<name>    one job as JSON: its row, segments, events and step metrics
-                        (?points=N: at most about N steps per host, evenly thinned; default 2000)
+    /jobs/<name>        one run of a job (the latest, or ?run=ID; earlier runs are listed to pick):
+                        throughput, loss and every other metric over time with resize, failure and
+                        restore events marked, goodput breakdown, the plan of each segment, per-host
+                        step times
+    /api/jobs           the fleet as JSON: each job's latest run (`run` is its id, `runs` the count)
+    /api/jobs/<name>    one run as JSON: its row, every run of the job, segments, events and step
+                        metrics (?run=ID: that run, default the latest; ?points=N: at most about N
+                        steps per host, evenly thinned; default 2000)
 
 Charts are drawn in the browser by plotly.js, served from the `plotly` Python package, so the
 page needs nothing from the internet. The store is read on every request: the pages refresh.
@@ -38,17 +41,20 @@ class DashboardConfig:
 STEP_POINTS = 2000  # steps per host sent to a job page; longer jobs are thinned evenly
 
 
-def job_detail(store: FleetStore, name: str, points: int = STEP_POINTS) -> dict | None:
-    """A job's row, events and step rows; with more than `points` steps, every k-th step only
-    (`steps_every` says k)."""
-    job = store.job(name)
+def job_detail(store: FleetStore, name: str, points: int = STEP_POINTS, run: int | None = None) -> dict | None:
+    """One run of a job (default: its latest): its row, events and step rows, and every run of the
+    job to pick from; with more than `points` steps, every k-th step only (`steps_every` says k)."""
+    job = store.job(name, run)
     if job is None:
         return None
-    every = max(1, -(-store.last_step(name) // max(1, points)))
+    run = job["run"]
+    every = max(1, -(-store.last_step(run) // max(1, points)))
     return {
         "job": job,
-        "events": store.events(name),
-        "steps": store.steps(name, every),
+        "run": run,
+        "runs": store.runs(name),
+        "events": store.events(run),
+        "steps": store.steps(run, every),
         "steps_every": every,
         "badput_meaning": {k: BADPUT_MEANING[k] for k in BADPUT},
     }
@@ -75,14 +81,15 @@ class _Handler(BaseHTTPRequestHandler):
             query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
             try:
                 points = int(query.get("points", [STEP_POINTS])[0])
+                run = int(query["run"][0]) if "run" in query else None
             except ValueError:
-                return self._json(
-                    {"error": f"points must be an integer, got {query['points'][0]!r}"}, HTTPStatus.BAD_REQUEST
-                )
+                bad = "points" if not query.get("points", ["0"])[0].lstrip("-").isdigit() else "run"
+                return self._json({"error": f"{bad} must be an integer, got {query[bad][0]!r}"}, HTTPStatus.BAD_REQUEST)
             with self.lock:
-                detail = job_detail(self.store, name, points)
+                detail = job_detail(self.store, name, points, run)
             if detail is None:
-                return self._json({"error": f"no job named {name!r} in {self.store.path}"}, HTTPStatus.NOT_FOUND)
+                what = f"no run {run} of job {name!r}" if run is not None else f"no job named {name!r}"
+                return self._json({"error": f"{what} in {self.store.path}"}, HTTPStatus.NOT_FOUND)
             return self._json(detail)
         self._json({"error": f"no such page {path!r}; try / or /api/jobs"}, HTTPStatus.NOT_FOUND)
 

@@ -1,10 +1,13 @@
-"""The fleet store: every job's state, events and step metrics in one SQLite file.
+"""The fleet store: every run of every job, its state, events and step metrics, in one SQLite file.
 
 Several jobs on several clusters may write to one store at once (WAL mode, a busy timeout, one
-short transaction per batch), and `remesh dashboard` reads it. Three tables: `jobs` (one row per
-job name, its latest state), `events` (host losses, resizes, restores, checkpoints, compiles,
-plans), `steps` (one row per step per host: loss, step time, tokens/s, MFU). Structured columns
-that vary (mesh, plan notes, an event's details, the goodput breakdown) are JSON text.
+short transaction per batch), and `remesh dashboard` reads it. Each attempt at a job (a `remesh run`
+or `remesh submit`, including a re-run of the same job name) is a run with its own id. Three tables:
+`runs` (one row per run: its job's name, latest state, mesh, throughput, goodput), `events` (host
+losses, resizes, restores, checkpoints, compiles, plans) and `steps` (one row per step per host:
+loss, every other scalar metric, step time, tokens/s, MFU), both keyed by run. Structured columns
+that vary (mesh, plan notes, an event's details, the goodput breakdown, metrics) are JSON text.
+A store written before runs existed is migrated when opened: each job becomes one run.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import sqlite3
 import time
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    name TEXT PRIMARY KEY,
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
     cluster TEXT NOT NULL,
     state TEXT NOT NULL,
     steps INTEGER NOT NULL,
@@ -35,8 +39,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS runs_name ON runs (name, id);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run INTEGER NOT NULL DEFAULT 0,
     job TEXT NOT NULL,
     kind TEXT NOT NULL,
     step INTEGER,
@@ -44,8 +50,8 @@ CREATE TABLE IF NOT EXISTS events (
     seconds REAL NOT NULL DEFAULT 0,
     detail TEXT NOT NULL DEFAULT '{}'
 );
-CREATE INDEX IF NOT EXISTS events_job ON events (job, at);
 CREATE TABLE IF NOT EXISTS steps (
+    run INTEGER NOT NULL DEFAULT 0,
     job TEXT NOT NULL,
     segment INTEGER NOT NULL,
     host INTEGER NOT NULL,
@@ -56,12 +62,17 @@ CREATE TABLE IF NOT EXISTS steps (
     tokens_per_second REAL NOT NULL,
     mfu REAL NOT NULL,
     input_seconds REAL NOT NULL DEFAULT 0,
-    wait_seconds REAL NOT NULL DEFAULT 0
+    wait_seconds REAL NOT NULL DEFAULT 0,
+    metrics TEXT NOT NULL DEFAULT '{}'
 );
-CREATE INDEX IF NOT EXISTS steps_job ON steps (job, segment, step);
+"""
+# Indexes on columns an older store gains by migration, made after it.
+INDEXES = """
+CREATE INDEX IF NOT EXISTS events_run ON events (run, at);
+CREATE INDEX IF NOT EXISTS steps_run ON steps (run, segment, step);
 """
 
-JOB_COLUMNS = (
+RUN_COLUMNS = (
     "name",
     "cluster",
     "state",
@@ -80,7 +91,7 @@ JOB_COLUMNS = (
     "started_at",
     "updated_at",
 )
-JSON_COLUMNS = {"mesh", "goodput", "throughput", "segments", "detail"}
+JSON_COLUMNS = {"mesh", "goodput", "throughput", "segments", "detail", "metrics"}
 
 
 def default_path() -> str:
@@ -109,109 +120,118 @@ class FleetStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
             self._add_new_columns()
+            self._runs_from_jobs()
+            self._db.executescript(INDEXES)
 
     def _add_new_columns(self) -> None:
         """A store made by an older remesh gains the columns added since (with their defaults)."""
-        for table in ("jobs", "steps"):
+        for table in ("events", "steps"):
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for line in SCHEMA.split(f"CREATE TABLE IF NOT EXISTS {table} (")[1].split(");")[0].strip().splitlines():
                 column = line.strip().rstrip(",")
                 if column.split()[0] not in have and "PRIMARY KEY" not in column and "NOT NULL DEFAULT" in column:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
+    def _runs_from_jobs(self) -> None:
+        """A store from before runs: each row of its `jobs` table becomes a run, and that job's
+        events and steps are given the run's id."""
+        if not self._db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='jobs'").fetchone():
+            return
+        have = [r["name"] for r in self._db.execute("PRAGMA table_info(jobs)") if r["name"] in RUN_COLUMNS]
+        for job in self._db.execute(f"SELECT {', '.join(have)} FROM jobs ORDER BY started_at").fetchall():
+            run = self._db.execute(
+                f"INSERT INTO runs ({', '.join(have)}) VALUES ({', '.join('?' * len(have))})", tuple(job)
+            ).lastrowid
+            for table in ("events", "steps"):
+                self._db.execute(f"UPDATE {table} SET run = ? WHERE job = ? AND run = 0", (run, job["name"]))
+        self._db.execute("DROP TABLE jobs")
+
     def close(self) -> None:
         self._db.close()
 
     # -- writing -------------------------------------------------------------------------
-    def start_job(self, name: str, *, cluster: str, steps: int) -> None:
-        """A job (re)starts: its row is created or reset to running; its history stays."""
+    def start_run(self, name: str, *, cluster: str, steps: int) -> int:
+        """A new run of job `name` (a first run, a re-run or a resume): returns its id."""
         now = time.time()
         with self._db:
-            self._db.execute(
-                "INSERT INTO jobs (name, cluster, state, steps, started_at, updated_at) VALUES (?, ?, 'starting', ?, ?, ?) "
-                "ON CONFLICT(name) DO UPDATE SET cluster=excluded.cluster, state='starting', steps=excluded.steps, "
-                "reason='', updated_at=excluded.updated_at",
+            return self._db.execute(
+                "INSERT INTO runs (name, cluster, state, steps, started_at, updated_at) VALUES (?, ?, 'starting', ?, ?, ?)",
                 (name, cluster, steps, now, now),
-            )
+            ).lastrowid
 
-    def update_job(self, name: str, **fields) -> None:
-        unknown = set(fields) - set(JOB_COLUMNS)
+    def update_run(self, run: int, **fields) -> None:
+        unknown = set(fields) - set(RUN_COLUMNS)
         if unknown:
-            raise KeyError(f"unknown job columns {sorted(unknown)}; expected some of {JOB_COLUMNS}")
+            raise KeyError(f"unknown run columns {sorted(unknown)}; expected some of {RUN_COLUMNS}")
         fields["updated_at"] = time.time()
         values = [json.dumps(v) if k in JSON_COLUMNS else v for k, v in fields.items()]
         with self._db:
-            self._db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in fields)} WHERE name = ?", (*values, name))
+            self._db.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?", (*values, run))
 
-    def add(self, name: str, *, events: list[dict] = (), steps: list[dict] = ()) -> None:
+    def add(self, run: int, *, events: list[dict] = (), steps: list[dict] = ()) -> None:
         """Events (summary events: kind, step, at, seconds, details) and step rows in one transaction."""
+        (name,) = self._db.execute("SELECT name FROM runs WHERE id = ?", (run,)).fetchone()
         with self._db:
             self._db.executemany(
-                "INSERT INTO events (job, kind, step, at, seconds, detail) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO events (run, job, kind, step, at, seconds, detail) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (
-                        name,
-                        e["kind"],
-                        e.get("step"),
-                        e["at"],
-                        e.get("seconds", 0.0),
-                        json.dumps({k: v for k, v in e.items() if k not in ("kind", "step", "at", "seconds")}),
-                    )
+                    (run, name, e["kind"], e.get("step"), e["at"], e.get("seconds", 0.0),
+                     json.dumps({k: v for k, v in e.items() if k not in ("kind", "step", "at", "seconds")}))
                     for e in events
                 ],
-            )
+            )  # fmt: skip
             self._db.executemany(
-                "INSERT INTO steps (job, segment, host, step, at, loss, seconds, tokens_per_second, mfu, input_seconds, "
-                "wait_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO steps (run, job, segment, host, step, at, loss, seconds, tokens_per_second, mfu, "
+                "input_seconds, wait_seconds, metrics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (
-                        name,
-                        s["segment"],
-                        s["host"],
-                        s["step"],
-                        s["at"],
-                        s.get("loss"),
-                        s["seconds"],
-                        s["tokens_per_second"],
-                        s["mfu"],
-                        s.get("input_seconds") or 0.0,
-                        s.get("wait_seconds") or 0.0,
-                    )
+                    (run, name, s["segment"], s["host"], s["step"], s["at"], s.get("loss"), s["seconds"],
+                     s["tokens_per_second"], s["mfu"], s.get("input_seconds") or 0.0, s.get("wait_seconds") or 0.0,
+                     json.dumps(s.get("metrics") or {}))
                     for s in steps
                 ],
-            )
+            )  # fmt: skip
 
     # -- reading -------------------------------------------------------------------------
     def jobs(self) -> list[dict]:
-        return [self._row(r) for r in self._db.execute("SELECT * FROM jobs ORDER BY started_at DESC")]
+        """The latest run of every job, newest first; `run` is its id, `runs` how many there were."""
+        return [self._row(r) for r in self._db.execute(
+            "SELECT runs.*, runs.id AS run, counts.n AS runs FROM runs JOIN "
+            "(SELECT name, MAX(id) AS latest, COUNT(*) AS n FROM runs GROUP BY name) AS counts ON runs.id = counts.latest "
+            "ORDER BY runs.started_at DESC"
+        )]  # fmt: skip
 
-    def job(self, name: str) -> dict | None:
-        r = self._db.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
+    def runs(self, name: str) -> list[dict]:
+        """Every run of job `name`, newest first (id, state, steps, started and updated)."""
+        return [dict(r) for r in self._db.execute(
+            "SELECT id AS run, state, steps_completed, steps, started_at, updated_at FROM runs WHERE name = ? "
+            "ORDER BY id DESC", (name,)
+        )]  # fmt: skip
+
+    def job(self, name: str, run: int | None = None) -> dict | None:
+        """Run `run` of job `name` (default: its latest), or None."""
+        r = self._db.execute(
+            "SELECT *, id AS run FROM runs WHERE name = ? AND (? IS NULL OR id = ?) ORDER BY id DESC LIMIT 1",
+            (name, run, run),
+        ).fetchone()
         return self._row(r) if r else None
 
-    def events(self, name: str) -> list[dict]:
-        return [
-            self._row(r)
-            for r in self._db.execute(
-                "SELECT kind, step, at, seconds, detail FROM events WHERE job = ? ORDER BY at, id", (name,)
-            )
-        ]
+    def events(self, run: int) -> list[dict]:
+        return [self._row(r) for r in self._db.execute(
+            "SELECT kind, step, at, seconds, detail FROM events WHERE run = ? ORDER BY at, id", (run,)
+        )]  # fmt: skip
 
-    def steps(self, name: str, every: int = 1) -> list[dict]:
+    def steps(self, run: int, every: int = 1) -> list[dict]:
         """Step rows of every host, time-ordered; `every` > 1 keeps steps divisible by it, and
         each segment's first and last (so a long job's charts stay light and no segment vanishes)."""
-        return [
-            dict(r)
-            for r in self._db.execute(
-                "SELECT segment, host, step, at, loss, seconds, tokens_per_second, mfu, input_seconds, wait_seconds FROM steps "
-                "WHERE job = ? AND (step % ? = 0 OR step IN (SELECT MIN(step) FROM steps WHERE job = ? GROUP BY segment "
-                "UNION SELECT MAX(step) FROM steps WHERE job = ? GROUP BY segment)) ORDER BY at, host",
-                (name, max(1, every), name, name),
-            )
-        ]
+        return [self._row(r) for r in self._db.execute(
+            "SELECT segment, host, step, at, loss, seconds, tokens_per_second, mfu, input_seconds, wait_seconds, metrics "
+            "FROM steps WHERE run = ? AND (step % ? = 0 OR step IN (SELECT MIN(step) FROM steps WHERE run = ? "
+            "GROUP BY segment UNION SELECT MAX(step) FROM steps WHERE run = ? GROUP BY segment)) ORDER BY at, host",
+            (run, max(1, every), run, run),
+        )]  # fmt: skip
 
-    def last_step(self, name: str) -> int:
-        return self._db.execute("SELECT COALESCE(MAX(step), 0) FROM steps WHERE job = ?", (name,)).fetchone()[0]
+    def last_step(self, run: int) -> int:
+        return self._db.execute("SELECT COALESCE(MAX(step), 0) FROM steps WHERE run = ?", (run,)).fetchone()[0]
 
     @staticmethod
     def _row(r: sqlite3.Row) -> dict:

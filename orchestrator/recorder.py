@@ -33,7 +33,7 @@ class FleetRecorder(Recorder):
         self._last_flush = 0.0
 
     def started(self) -> None:
-        self.store.start_job(self.job.name, cluster=self.cluster, steps=self.job.steps)
+        self.run = self.store.start_run(self.job.name, cluster=self.cluster, steps=self.job.steps)
 
     def event(self, event: dict) -> None:
         """A summary event, its `at` in wall-clock seconds."""
@@ -43,25 +43,18 @@ class FleetRecorder(Recorder):
 
     def step(self, host: int, segment: int, report: dict, speaker: bool) -> None:
         """One host's step report; `speaker` when this host speaks for the group (the loss gauge)."""
-        self._steps.append(
-            {
-                "host": host,
-                "segment": segment,
-                **{
-                    k: report.get(k)
-                    for k in (
-                        "step",
-                        "at",
-                        "loss",
-                        "seconds",
-                        "tokens_per_second",
-                        "mfu",
-                        "input_seconds",
-                        "wait_seconds",
-                    )
-                },
-            }
+        fields = (
+            "step",
+            "at",
+            "loss",
+            "seconds",
+            "tokens_per_second",
+            "mfu",
+            "input_seconds",
+            "wait_seconds",
+            "metrics",
         )
+        self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in fields}})
         if speaker and self.metrics:
             self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
 
@@ -83,10 +76,10 @@ class FleetRecorder(Recorder):
             return
         self._last_flush = time.monotonic()
         if self._events or self._steps:
-            self.store.add(self.job.name, events=self._events, steps=self._steps)
+            self.store.add(self.run, events=self._events, steps=self._steps)
             self._events, self._steps = [], []
         if self._status:
-            self.store.update_job(self.job.name, **self._status)
+            self.store.update_run(self.run, **self._status)
             self._status = {}
 
     def close(self) -> None:

@@ -187,10 +187,11 @@ def test_the_fleet_store_holds_the_run_as_its_summary_says(elastic):
 
     store = FleetStore(elastic["_store"])
     job = store.job("elastic")
+    run = job["run"]
     assert job["state"] == "finished" and job["steps_completed"] == 100 and job["devices"] == 8
     assert job["goodput"] == elastic["goodput"] and job["throughput"] == elastic["throughput"]
-    assert [e["kind"] for e in store.events("elastic")] == [e["kind"] for e in elastic["events"]]
-    steps = store.steps("elastic")
+    assert [e["kind"] for e in store.events(run)] == [e["kind"] for e in elastic["events"]]
+    steps = store.steps(run)
     assert {r["step"] for r in steps} == set(range(1, 101))
     # The segment a loss ended is the one whose last step is the step the loss was seen after.
     lost = {(e["step"], h) for e in kinds(elastic, "host_lost") for h in e["hosts"]}

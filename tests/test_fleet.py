@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 def write_job(path, name, cluster, steps):
     store = FleetStore(path)
-    store.start_job(name, cluster=cluster, steps=steps)
+    run = store.start_run(name, cluster=cluster, steps=steps)
     for i in range(1, steps + 1):
         rows = [
             {
@@ -28,9 +28,9 @@ def write_job(path, name, cluster, steps):
             for h in range(2)
         ]
         events = [{"kind": "checkpoint", "step": i, "at": time.time(), "seconds": 0.01}] if i % 10 == 0 else []
-        store.add(name, events=events, steps=rows)
-        store.update_job(name, state="running", steps_completed=i, mesh={"data": 4}, goodput_ratio=0.5)
-    store.update_job(name, state="finished", goodput={"goodput_ratio": 0.5, "badput_seconds": {"startup": 1.0}})
+        store.add(run, events=events, steps=rows)
+        store.update_run(run, state="running", steps_completed=i, mesh={"data": 4}, goodput_ratio=0.5)
+    store.update_run(run, state="finished", goodput={"goodput_ratio": 0.5, "badput_seconds": {"startup": 1.0}})
     store.close()
 
 
@@ -47,30 +47,74 @@ def test_several_jobs_from_several_clusters_write_one_store_at_once(tmp_path):
     jobs = {j["name"]: j for j in store.jobs()}
     assert set(jobs) == {"job0", "job1", "job2"}
     assert {j["cluster"] for j in jobs.values()} == {"cluster0", "cluster1"}
-    for name, j in jobs.items():
+    for j in jobs.values():
         assert j["state"] == "finished" and j["steps_completed"] == 100 and j["mesh"] == {"data": 4}
         assert j["goodput"]["badput_seconds"] == {"startup": 1.0}
-        assert len(store.steps(name)) == 200 and len(store.events(name)) == 10
+        assert len(store.steps(j["run"])) == 200 and len(store.events(j["run"])) == 10
 
 
-def test_a_restarted_job_keeps_its_history_and_unknown_columns_are_refused(tmp_path):
+def _step(run_steps, i, at):
+    return {"segment": 1, "host": 0, "step": i, "at": at, "loss": 1.0 / i, "seconds": 0.1, "tokens_per_second": 1.0,
+            "mfu": 0.1, "metrics": {"grad_norm": 2.0 * i}}  # fmt: skip
+
+
+def test_each_run_of_a_job_has_its_own_id_events_and_steps(tmp_path):
+    from orchestrator.dashboard import job_detail
+
     store = FleetStore(str(tmp_path / "fleet.db"))
-    store.start_job("a", cluster="c", steps=10)
-    store.add("a", events=[{"kind": "host_lost", "step": 3, "at": 1.0, "seconds": 0.5, "hosts": [1]}])
-    store.update_job("a", state="failed", reason="2 hosts left")
-    store.start_job("a", cluster="c", steps=10)
-    assert store.job("a")["state"] == "starting" and store.job("a")["reason"] == ""
-    assert store.events("a") == [{"kind": "host_lost", "step": 3, "at": 1.0, "seconds": 0.5, "detail": {"hosts": [1]}}]
-    with pytest.raises(KeyError, match="unknown job columns \\['colour'\\]"):
-        store.update_job("a", colour="red")
+    first = store.start_run("a", cluster="c", steps=10)
+    store.add(first, events=[{"kind": "host_lost", "step": 3, "at": 1.0, "seconds": 0.5, "hosts": [1]}],
+              steps=[_step(first, i, float(i)) for i in range(1, 6)])  # fmt: skip
+    store.update_run(first, state="failed", reason="2 hosts left")
+    second = store.start_run("a", cluster="c", steps=10)
+    store.add(second, steps=[_step(second, i, 100.0 + i) for i in range(1, 11)])
+    assert second != first
+    latest = store.jobs()
+    assert [(j["name"], j["run"], j["runs"], j["state"]) for j in latest] == [("a", second, 2, "starting")]
+    assert store.job("a")["reason"] == "" and store.job("a", first)["reason"] == "2 hosts left"
+    assert [r["run"] for r in store.runs("a")] == [second, first]
+    now, before = job_detail(store, "a"), job_detail(store, "a", run=first)
+    assert now["run"] == second and [s["step"] for s in now["steps"]] == list(range(1, 11)) and now["events"] == []
+    assert before["run"] == first and [s["step"] for s in before["steps"]] == list(range(1, 6))
+    assert before["events"] == [{"kind": "host_lost", "step": 3, "at": 1.0, "seconds": 0.5, "detail": {"hosts": [1]}}]
+    assert before["steps"][-1]["metrics"] == {"grad_norm": 10.0}
+    assert job_detail(store, "a", run=second + 7) is None
+    with pytest.raises(KeyError, match="unknown run columns \\['colour'\\]"):
+        store.update_run(first, colour="red")
     assert store.job("missing") is None
+
+
+def test_a_store_from_before_runs_is_migrated_one_run_per_job(tmp_path):
+    import sqlite3
+
+    path = str(tmp_path / "old.db")
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE jobs (name TEXT PRIMARY KEY, cluster TEXT NOT NULL, state TEXT NOT NULL, steps INTEGER NOT NULL,
+            steps_completed INTEGER NOT NULL DEFAULT 0, reason TEXT NOT NULL DEFAULT '', started_at REAL NOT NULL,
+            updated_at REAL NOT NULL);
+        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER,
+            at REAL NOT NULL, seconds REAL NOT NULL DEFAULT 0, detail TEXT NOT NULL DEFAULT '{}');
+        CREATE TABLE steps (job TEXT NOT NULL, segment INTEGER NOT NULL, host INTEGER NOT NULL, step INTEGER NOT NULL,
+            at REAL NOT NULL, loss REAL, seconds REAL NOT NULL, tokens_per_second REAL NOT NULL, mfu REAL NOT NULL);
+        INSERT INTO jobs VALUES ('old', 'c', 'finished', 2, 2, '', 1.0, 2.0);
+        INSERT INTO events (job, kind, step, at) VALUES ('old', 'checkpoint', 2, 1.5);
+        INSERT INTO steps VALUES ('old', 1, 0, 1, 1.1, 0.5, 0.1, 10.0, 0.2), ('old', 1, 0, 2, 1.2, 0.4, 0.1, 10.0, 0.2);
+    """)  # fmt: skip
+    db.close()
+    store = FleetStore(path)
+    (job,) = store.jobs()
+    assert job["name"] == "old" and job["state"] == "finished" and job["runs"] == 1
+    assert [s["loss"] for s in store.steps(job["run"])] == [0.5, 0.4] and len(store.events(job["run"])) == 1
+    again = store.start_run("old", cluster="c", steps=2)
+    assert store.job("old")["run"] == again and len(store.steps(again)) == 0
 
 
 def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_path):
     from orchestrator.dashboard import job_detail
 
     store = FleetStore(str(tmp_path / "fleet.db"))
-    store.start_job("long", cluster="c", steps=1000)
+    run = store.start_run("long", cluster="c", steps=1000)
     rows = [
         {
             "segment": 1 if i <= 333 else 2,
@@ -85,7 +129,7 @@ def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_pat
         for i in range(1, 1001)
         for h in range(2)
     ]
-    store.add("long", steps=rows)
+    store.add(run, steps=rows)
     full = job_detail(store, "long", points=5000)
     assert full["steps_every"] == 1 and len(full["steps"]) == 2000
     thin = job_detail(store, "long", points=100)
