@@ -3,6 +3,7 @@ and what a restore onto a given device count would read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,15 +21,20 @@ def run(args) -> int:
 
 
 def _ls(store, args) -> int:
-    print(f"{'step':>8}  {'format':<7} {'size':>10}  {'leaves':>6}  {'saved under':<24} data position  written")
+    rows = []
     for step in store.steps():
         m = store.metadata(step)
-        size = _size(m)
         written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(m["dir"])))
-        print(
-            f"{step:>8}  {m['kind']:<7} {_human(size):>10}  {len(m['leaves']):>6}  {_mesh(m):<24} "
-            f"{m['meta'].get('data_position', '-')!s:>13}  {written}"
-        )
+        rows.append({"step": step, "format": m["kind"], "bytes": _size(m), "leaves": len(m["leaves"]),
+                     "saved_under": _mesh(m), "data_position": m["meta"].get("data_position"), "written": written})  # fmt: skip
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'step':>8}  {'format':<7} {'size':>10}  {'leaves':>6}  {'saved under':<24} data position  written")
+    for r in rows:
+        position = "-" if r["data_position"] is None else r["data_position"]
+        print(f"{r['step']:>8}  {r['format']:<7} {_human(r['bytes']):>10}  {r['leaves']:>6}  {r['saved_under']:<24} "
+              f"{position!s:>13}  {r['written']}")  # fmt: skip
     return 0
 
 
@@ -138,18 +144,19 @@ def _planned_targets(m: dict, args):
 
 def _verify(store, args) -> int:
     steps = [args.step] if args.step is not None else store.steps()
-    bad = 0
-    for step in steps:
-        r = store.verify(step)
+    reports = [store.verify(step) for step in steps]
+    bad = sum(not r.ok for r in reports)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in reports], indent=1))
+        return 1 if bad else 0
+    for r in reports:
         rate = r.bytes_checked / r.seconds / 1e6 if r.seconds else 0.0
         status = "ok" if r.ok else "DAMAGED"
         note = " (Orbax stores no data checksums: read only)" if r.kind == "orbax" else ""
-        print(
-            f"step {step:>8}  {status:<7}  {_human(r.bytes_checked)} checked in {r.seconds:.2f} s ({rate:,.0f} MB/s){note}"
-        )
+        print(f"step {r.step:>8}  {status:<7}  {_human(r.bytes_checked)} checked in {r.seconds:.2f} s "
+              f"({rate:,.0f} MB/s){note}")  # fmt: skip
         for p in r.problems:
             print(f"    {p}")
-        bad += not r.ok
     if bad:
         print(f"{bad} of {len(steps)} steps are damaged; a job resumes from the newest intact one")
     return 1 if bad else 0

@@ -58,16 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     dash.add_argument("--port", type=int, default=8266)
 
-    plan = sub.add_parser("plan", help="plan a function: MODULE:ATTR returns (fn, args)")
-    plan.add_argument("target")
+    plan = sub.add_parser("plan", help="plan a job's step (JOB.toml) or a function (MODULE:ATTR returns (fn, args))")
+    plan.add_argument("target", help="a job file (its program, batch, hardware and planner level) or MODULE:ATTR")
     plan.add_argument("--devices", type=int, required=True)
-    plan.add_argument("--hardware", default="h100")
+    plan.add_argument("--hardware", help="hardware profile (default: the job's; h100 for MODULE:ATTR)")
     plan.add_argument(
         "--level",
-        default="fast",
+        default=None,
         choices=("fast", "thorough"),
-        help="fast: tactics (dp, fsdp, Megatron, experts) on data x model meshes, model within a host; "
-        "thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split",
+        help="fast (default, or the job's planner level): tactics (dp, fsdp, Megatron, experts) on data x model "
+        "meshes, model within a host; thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split",
     )
     plan.add_argument("--json", action="store_true")
     plan.add_argument(
@@ -228,7 +228,6 @@ def _print_summary(summary, path) -> None:
 
 
 def _plan(args) -> int:
-    import importlib
 
     if args.verify and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Before jax is imported: lets a machine without N accelerators compile the plan on CPU.
@@ -238,8 +237,8 @@ def _plan(args) -> int:
     import partitioner
 
     sys.path.insert(0, os.getcwd())
-    module, _, attr = args.target.partition(":")
-    fn, fargs = getattr(importlib.import_module(module), attr)()
+    fn, fargs, hardware, level = _plan_target(args)
+    args.hardware, args.level = hardware, level
     if args.planner == "shapes":
         p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=args.hardware)
     else:
@@ -263,6 +262,28 @@ def _plan(args) -> int:
         print("compiled by XLA:")
         print("\n".join("  " + line for line in v.table().splitlines()))
     return 0
+
+
+def _plan_target(args):
+    """(fn, args, hardware, level) for `remesh plan`: from a job file, its step on its abstract
+    state and batch, priced with its hardware at its planner's level (so the plan shown is the one
+    the job runs); from MODULE:ATTR, what ATTR() returns, priced with --hardware (default h100)."""
+    import importlib
+
+    if args.target.endswith(".toml"):
+        from .jobfile import load_job
+        from .program import check_program, load_program
+
+        job = load_job(args.target)
+        program = load_program(job.program)
+        state, batch = check_program(program, job.global_batch, job.seed)
+        level = args.level or (job.planner if job.planner != "shapes" else "fast")
+        if job.planner == "shapes" and args.planner == "search" and args.level is None:
+            args.planner = "shapes"
+        return program.step, (state, batch), args.hardware or job.hardware, level
+    module, _, attr = args.target.partition(":")
+    fn, fargs = getattr(importlib.import_module(module), attr)()
+    return fn, fargs, args.hardware or "h100", args.level or "fast"
 
 
 def _ckpt(args) -> int:

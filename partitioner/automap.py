@@ -598,7 +598,7 @@ def _to_plan(
                 f"the best plan on all {devices} is predicted slower ({whole[0].cost.total_seconds * 1e3:.3f} ms against "
                 f"{best.cost.total_seconds * 1e3:.3f} ms)"
                 if whole
-                else "the batch does not divide by " + ", ".join(str(k) for k in range(devices, used, -1))
+                else f"no mesh of {used + 1} to {devices} devices divides the batch (and sequence) evenly"
             ),
         )
     notes = (

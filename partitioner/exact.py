@@ -14,7 +14,10 @@ answer), so a caller can price a few of the best exactly and keep the one that t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 
@@ -39,7 +42,8 @@ def k_best(problem: PairwiseProblem, k: int) -> Iterator[tuple[int, ...]]:
     # machine running plans, not searching them) need not have HiGHS.
     import highspy
 
-    h = highspy.Highs()
+    with _stdout_to_devnull():  # the constructor prints HiGHS's banner from C++, before silent() can
+        h = highspy.Highs()
     h.silent()
     x = [[h.addBinary(obj=_clean(c)) for c in costs] for costs in problem.unary]
     for row in x:
@@ -73,3 +77,18 @@ def _clean(c: float) -> float:
     """Coefficients are relative (about 1); below 1e-7 they are noise, and HiGHS refuses
     matrix entries under 1e-9."""
     return 0.0 if abs(c) < 1e-7 else float(c)
+
+
+@contextlib.contextmanager
+def _stdout_to_devnull():
+    """File descriptor 1 to /dev/null for the duration (output written from C++ included)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)

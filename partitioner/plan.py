@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-FORMAT = "remesh.plan/1"
+FORMAT = "remesh.plan/2"  # /2: leaves keyed by slash path (`opt/0/mu/wte`), as checkpoints name them
+LEGACY_FORMATS = ("remesh.plan/1",)  # /1: keyed by jax.tree_util.keystr (`['opt'][0]['mu']['wte']`)
+
+
+def leaf_key(keypath) -> str:
+    """A pytree key path as the slash path plans and checkpoints name leaves by: `params/layers/0/w`."""
+    return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +101,7 @@ class Plan:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         specs = []
         for path, _ in leaves:
-            key = jax.tree_util.keystr(path)
+            key = leaf_key(path)
             if key not in flat:
                 where = f"argument {argnum}" if argnum is not None else "outputs"
                 raise PlanMismatchError(
@@ -133,7 +140,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Plan:
-        if d.get("format") != FORMAT:
+        if d.get("format") in LEGACY_FORMATS:
+            d = {**d, "in_specs": [_slash_keys(t) for t in d["in_specs"]], "out_specs": _slash_keys(d["out_specs"])}
+        elif d.get("format") != FORMAT:
             raise ValueError(f"expected a plan with format {FORMAT!r}, got {d.get('format')!r}")
         return cls(
             mesh={k: v for k, v in d["mesh"]},
@@ -162,7 +171,7 @@ def _flatten_specs(tree) -> dict[str, PartitionSpec]:
     if isinstance(tree, FlatSpecs):
         return tree
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
-    return {jax.tree_util.keystr(p): s for p, s in leaves}
+    return {leaf_key(p): s for p, s in leaves}
 
 
 def _spec_to_json(spec: PartitionSpec) -> list:
@@ -179,3 +188,11 @@ def _specs_to_json(tree) -> dict[str, list]:
 
 def _specs_from_json(d: Mapping[str, list]) -> FlatSpecs:
     return FlatSpecs({k: _spec_from_json(v) for k, v in d.items()})
+
+
+def _slash_keys(specs: Mapping[str, list]) -> dict[str, list]:
+    """Specs keyed by keystr (`['opt'][0].value`) re-keyed by slash path (`opt/0/value`)."""
+    part = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(-?\d+)\]|\.(\w+)")
+    return {
+        "/".join(next(g for g in m.groups() if g is not None) for m in part.finditer(k)): v for k, v in specs.items()
+    }

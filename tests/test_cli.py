@@ -40,7 +40,42 @@ def test_bad_input_fails_before_any_cluster_starts_with_a_clear_error(tmp_path, 
 def test_plan_command_explains_its_choice(capsys):
     assert main(["plan", "examples.gpt.model:plan_target", "--devices", "7", "--hardware", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "mesh data=6 (6 of 7 devices)" in out and "does not divide by 7" in out and "all-reduce" in out
+    assert "mesh data=6 (6 of 7 devices)" in out and "all-reduce" in out
+    assert "note: using 6 of 7 devices: no mesh of 7 to 7 devices divides the batch" in out
+
+
+def test_plan_notes_say_in_one_line_why_devices_go_unused_however_many_there_are(capsys):
+    assert main(["plan", "examples.gpt.model:plan_target", "--devices", "1024", "--hardware", "h100"]) == 0
+    (reason,) = [line for line in capsys.readouterr().out.splitlines() if "note: using" in line]
+    assert (
+        reason.strip()
+        == "note: using 24 of 1024 devices: no mesh of 25 to 1024 devices divides the batch (and sequence) evenly"
+    )
+
+
+def test_plan_from_a_job_file_prices_with_the_jobs_hardware_and_names_leaves_as_checkpoints_do(capsys):
+    import json
+
+    import partitioner
+    from checkpoint import leaf_path
+    from examples.gpt.model import plan_target
+
+    assert main(["plan", "examples/gpt/job.toml", "--devices", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fn, args = plan_target()
+    want = partitioner.plan(fn, *args, devices=8, hardware="cpu")  # the job says hardware = "cpu"
+    assert doc["cost"] == want.to_dict()["cost"] and doc["mesh"] == want.to_dict()["mesh"]
+    import jax
+
+    paths = {leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]}
+    assert set(doc["in_specs"][0]) == paths and "opt/0/mu/wte" in paths
+
+
+def test_the_thorough_level_prints_no_solver_banner(capfd):
+    assert main(["plan", "examples.gpt.model:plan_target", "--devices", "8", "--level", "thorough", "--json"]) == 0
+    out = capfd.readouterr().out
+    json_start = out.index("{")
+    assert out[:json_start].strip() == "" and "HiGHS" not in out
 
 
 def test_plan_with_tactics_recovers_megatron_and_verifies_it(capsys, devices8):
@@ -87,3 +122,13 @@ def test_ckpt_ls_inspect_verify(tmp_path, capsys, devices8):
     assert "step       10  ok" in out and "step       20  DAMAGED" in out and "leaf w" in out
     assert main(["ckpt", "ls", str(tmp_path / "nothing")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+    assert main(["ckpt", "ls", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["format"], r["saved_under"], r["data_position"]) for r in rows] == [
+        (10, "remesh", "data=8", 10),
+        (20, "remesh", "data=8", 20),
+    ]
+    assert main(["ckpt", "verify", str(tmp_path), "--json"]) == 1
+    reports = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["ok"]) for r in reports] == [(10, True), (20, False)]
+    assert any("leaf w" in p for p in reports[1]["problems"])
