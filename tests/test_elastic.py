@@ -207,3 +207,12 @@ def test_the_fleet_store_holds_the_run_as_its_summary_says(elastic):
             else:
                 assert got == ran, (seg, host)
     assert not lost, f"host losses matched to no segment: {lost}"
+
+
+def test_the_terminal_shows_remesh_lines_and_one_line_per_fault_while_ray_writes_to_its_log(elastic):
+    out = elastic["_stdout"]
+    assert "state-dump" not in out and "(raylet)" not in out and "Raylet is terminated" not in out
+    lost = [line for line in out.splitlines() if line.startswith("lost  ")]
+    assert len(lost) == 1 and "host(s) [3] after step 40" in lost[0]
+    log = out.splitlines()[0].split("Ray's own output goes to ")[1]
+    assert os.path.getsize(os.path.join(ROOT, log)) > 0
