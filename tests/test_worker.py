@@ -16,11 +16,12 @@ from orchestrator.worker import SegmentSpec, run_segment
 pytestmark = pytest.mark.fake_devices
 
 
-def spec(tmp_path, devices, steps, planner="shapes"):
-    from examples.gpt.model import program
+def spec(tmp_path, devices, steps, planner="shapes", program_ref="examples.gpt.model:program", global_batch=24):
+    from orchestrator import load_program
     from partitioner.automap import search
 
-    state, batch = check_program(program, 24)
+    program = load_program(program_ref)
+    state, batch = check_program(program, global_batch)
     if planner == "megatron":  # the factor-graph search, held to tensor parallelism
         plan = search(program.step, state, batch, devices=devices, hardware="cpu", tactics=("megatron",))[0]
     elif planner == "tactics":
@@ -28,9 +29,9 @@ def spec(tmp_path, devices, steps, planner="shapes"):
     else:
         plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
     return SegmentSpec(
-        program="examples.gpt.model:program",
+        program=program_ref,
         steps=steps,
-        global_batch=24,
+        global_batch=global_batch,
         seed=0,
         checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2),
         plan_json=plan.to_json(),
@@ -106,21 +107,7 @@ def test_a_restore_that_does_not_match_its_digest_falls_back_and_none_intact_is_
 
 
 def nnx_spec(tmp_path, devices, steps):
-    from tests.programs.nnx_mlp import program
-
-    state, batch = check_program(program, 8)
-    plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
-    return SegmentSpec(
-        program="tests.programs.nnx_mlp:program",
-        steps=steps,
-        global_batch=8,
-        seed=0,
-        checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=5, keep=2),
-        plan_json=plan.to_json(),
-        coordinator="",
-        num_processes=1,
-        process_id=0,
-    )
+    return spec(tmp_path, devices, steps, program_ref="tests.programs.nnx_mlp:program", global_batch=8)
 
 
 def test_a_flax_nnx_state_with_typed_keys_saves_and_resumes_on_another_mesh(tmp_path, devices8):
