@@ -72,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.add_argument(
         "--planner",
-        default="search",
+        default=None,
         choices=("search", "shapes"),
-        help="search: the factor-graph search (what jobs use); shapes: data parallel or FSDP from shapes alone",
+        help="search (default, or the job's planner): the factor-graph search; shapes: data parallel or FSDP "
+        "from shapes alone",
     )
     plan.add_argument(
         "--verify",
@@ -237,12 +238,11 @@ def _plan(args) -> int:
     import partitioner
 
     sys.path.insert(0, os.getcwd())
-    fn, fargs, hardware, level = _plan_target(args)
-    args.hardware, args.level = hardware, level
-    if args.planner == "shapes":
-        p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=args.hardware)
+    fn, fargs, hardware, level, planner = _plan_target(args)
+    if planner == "shapes":
+        p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=hardware)
     else:
-        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=args.hardware, level=args.level)
+        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=hardware, level=level)
     if args.json:
         print(p.to_json())
         return 0
@@ -258,16 +258,17 @@ def _plan(args) -> int:
         print(f"  note: {n}")
     print(f"  searched in {p.search_seconds:.3f} s")
     if args.verify:
-        v = partitioner.verify(p, fn, *fargs, hardware=args.hardware)
+        v = partitioner.verify(p, fn, *fargs, hardware=hardware)
         print("compiled by XLA:")
         print("\n".join("  " + line for line in v.table().splitlines()))
     return 0
 
 
 def _plan_target(args):
-    """(fn, args, hardware, level) for `remesh plan`: from a job file, its step on its abstract
-    state and batch, priced with its hardware at its planner's level (so the plan shown is the one
-    the job runs); from MODULE:ATTR, what ATTR() returns, priced with --hardware (default h100)."""
+    """(fn, args, hardware, level, planner) for `remesh plan`: from a job file, its step on its
+    abstract state and batch, planned as the job plans it (its hardware, its planner and level) unless
+    the options say otherwise; from MODULE:ATTR, what ATTR() returns, priced with --hardware (default
+    h100)."""
     import importlib
 
     if args.target.endswith(".toml"):
@@ -277,13 +278,12 @@ def _plan_target(args):
         job = load_job(args.target)
         program = load_program(job.program)
         state, batch = check_program(program, job.global_batch, job.seed)
+        planner = args.planner or ("shapes" if job.planner == "shapes" else "search")
         level = args.level or (job.planner if job.planner != "shapes" else "fast")
-        if job.planner == "shapes" and args.planner == "search" and args.level is None:
-            args.planner = "shapes"
-        return program.step, (state, batch), args.hardware or job.hardware, level
+        return program.step, (state, batch), args.hardware or job.hardware, level, planner
     module, _, attr = args.target.partition(":")
     fn, fargs = getattr(importlib.import_module(module), attr)()
-    return fn, fargs, args.hardware or "h100", args.level or "fast"
+    return fn, fargs, args.hardware or "h100", args.level or "fast", args.planner or "search"
 
 
 def _ckpt(args) -> int:

@@ -132,7 +132,8 @@ def _daemons_in_own_process_groups():
     in a process group of its own. A signal sent to remesh's process group (Ctrl-C in a terminal,
     `timeout`, a shell's job control) then reaches remesh alone, which stops the job in order,
     instead of also killing the daemons it needs to stop the job (a driver whose GCS is gone waits
-    60 s and aborts). They still die with remesh: Ray sets them to be killed when their parent dies."""
+    60 s and aborts). A remesh killed outright (SIGKILL) leaves them running, as it did before; its
+    own shutdown, on every other exit, kills them."""
     from ray._private import services
 
     base = services.ConsolePopen

@@ -324,30 +324,38 @@ class JobController:
         except HostsLostError as e:
             # Steps the survivors finished before the loss still count; if process 0 is gone,
             # the lowest surviving host speaks for the group (SPMD: they all report the same steps).
-            speaker = min((host for host, _ in e.survivors), default=None)
-            for host, status in e.survivors:
-                for report in status.reports:
-                    self._on_report(host, report, speaker=speaker)
+            self._take(e.survivors, speaker=min((host for host, _ in e.survivors), default=None))
             return self._on_hosts_lost(e)
         except SegmentFailedError as e:
             # The program itself raised: another mesh would fail the same way.
             self._stop_group()
             return self._fail(str(e))
-        for host, status in enumerate(statuses):
-            for report in status.reports:
-                self._on_report(host, report)
+        self._take(enumerate(statuses))
         if self.recorder.due():  # medians over every step: not at every poll
             self._record_status()
             self.recorder.flush()
         if all(s.done for s in statuses):
-            self._stop_group()
-            if self._done_step() >= self.job.steps:
-                return Phase.FINISHED
-            return self._after_segment()  # stopped at a checkpoint boundary to resize, or stalled
+            return self._segment_ended()
         self._inject_due_faults()
         self._maybe_grow()
         self.sleep(self.config.poll_interval_s)
         return Phase.RUNNING
+
+    def _take(self, answered, speaker: int | None = 0) -> None:
+        """Every report of the hosts that answered a poll: (host, status) pairs."""
+        for host, status in answered:
+            for report in status.reports:
+                self._on_report(host, report, speaker=speaker)
+
+    def _segment_ended(self) -> Phase:
+        """Every host of the group is done: the job finished, was stopped, or goes on elsewhere."""
+        self._stop_group()
+        if self._done_step() >= self.job.steps:
+            return Phase.FINISHED
+        if self._stop_reason:
+            self.print(f"      step {self._done_step()} committed; hosts stopped")
+            return Phase.STOPPED
+        return self._after_segment()  # stopped at a checkpoint boundary to resize, or stalled
 
     def _after_segment(self) -> Phase:
         """A segment ended before the last step. One that completed no new step is a stall, and
@@ -374,15 +382,9 @@ class JobController:
             self.print(f"      hosts failed while stopping ({str(e).splitlines()[0]}); the newest commit stands")
             self._stop_group()
             return Phase.STOPPED
-        for host, status in enumerate(statuses):
-            for report in status.reports:
-                self._on_report(host, report)
+        self._take(enumerate(statuses))
         if all(s.done for s in statuses):
-            self._stop_group()
-            if self._done_step() >= self.job.steps:
-                return Phase.FINISHED
-            self.print(f"      step {self._done_step()} committed; hosts stopped")
-            return Phase.STOPPED
+            return self._segment_ended()
         if self.clock() > self._stop_deadline:
             self.summary.reason += (
                 f" (hosts did not finish within {self.config.stop_grace_s:.0f} s; the newest commit stands)"

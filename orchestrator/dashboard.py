@@ -80,11 +80,10 @@ class _Handler(BaseHTTPRequestHandler):
             name = urllib.parse.unquote(m[1])
             query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
             try:
-                points = int(query.get("points", [STEP_POINTS])[0])
-                run = int(query["run"][0]) if "run" in query else None
-            except ValueError:
-                bad = "points" if not query.get("points", ["0"])[0].lstrip("-").isdigit() else "run"
-                return self._json({"error": f"{bad} must be an integer, got {query[bad][0]!r}"}, HTTPStatus.BAD_REQUEST)
+                points = _int_param(query, "points", STEP_POINTS)
+                run = _int_param(query, "run", None)
+            except ValueError as e:
+                return self._json({"error": str(e)}, HTTPStatus.BAD_REQUEST)
             with self.lock:
                 detail = job_detail(self.store, name, points, run)
             if detail is None:
@@ -113,6 +112,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's signature)
         pass  # quiet: the dashboard polls
+
+
+def _int_param(query: dict, name: str, default):
+    if name not in query:
+        return default
+    try:
+        return int(query[name][0])
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {query[name][0]!r}") from None
 
 
 def make_server(config: DashboardConfig = DashboardConfig()) -> ThreadingHTTPServer:

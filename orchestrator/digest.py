@@ -87,10 +87,12 @@ def digest(compiled, state: Any) -> str:
     import jax
     import numpy as np
 
+    from checkpoint import leaf_path
+
     sums = compiled(state)
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        h.update(f"{jax.tree_util.keystr(path, simple=True, separator='/')}:{leaf.shape}:{leaf.dtype};".encode())
+        h.update(f"{leaf_path(path)}:{leaf.shape}:{leaf.dtype};".encode())
     h.update(np.asarray(sums.addressable_data(0)).tobytes())
     return KIND + h.hexdigest()
 

@@ -116,6 +116,7 @@ class FleetStore:
         # the dashboard's lock); other processes have their own.
         self._db = sqlite3.connect(path, timeout=busy_timeout_s, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
+        self._names: dict[int, str] = {}  # run id -> job name, for the rows that carry both
         with self._db:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
@@ -154,10 +155,12 @@ class FleetStore:
         """A new run of job `name` (a first run, a re-run or a resume): returns its id."""
         now = time.time()
         with self._db:
-            return self._db.execute(
+            run = self._db.execute(
                 "INSERT INTO runs (name, cluster, state, steps, started_at, updated_at) VALUES (?, ?, 'starting', ?, ?, ?)",
                 (name, cluster, steps, now, now),
             ).lastrowid
+        self._names[run] = name
+        return run
 
     def update_run(self, run: int, **fields) -> None:
         unknown = set(fields) - set(RUN_COLUMNS)
@@ -170,7 +173,9 @@ class FleetStore:
 
     def add(self, run: int, *, events: list[dict] = (), steps: list[dict] = ()) -> None:
         """Events (summary events: kind, step, at, seconds, details) and step rows in one transaction."""
-        (name,) = self._db.execute("SELECT name FROM runs WHERE id = ?", (run,)).fetchone()
+        if run not in self._names:
+            self._names[run] = self._db.execute("SELECT name FROM runs WHERE id = ?", (run,)).fetchone()[0]
+        name = self._names[run]
         with self._db:
             self._db.executemany(
                 "INSERT INTO events (run, job, kind, step, at, seconds, detail) VALUES (?, ?, ?, ?, ?, ?, ?)",

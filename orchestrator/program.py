@@ -72,12 +72,14 @@ def check_program(program: Program, global_batch: int, seed: int = 0):
     Catches a broken program at submission instead of on every host after start-up."""
     import jax
 
+    from checkpoint import leaf_path
+
     state, abstract_batch = abstract_inputs(program, global_batch, seed)
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_batch)[0]:
         shape = leaf.shape
         if not shape or shape[0] != global_batch:
             raise ProgramError(
-                f"program.batch(step, {global_batch}) leaf {jax.tree_util.keystr(path)} has shape {shape}; "
+                f"program.batch(step, {global_batch}) leaf {leaf_path(path)} has shape {shape}; "
                 f"expected leading dimension {global_batch} (the job's global_batch)"
             )
     try:
@@ -96,13 +98,11 @@ def check_program(program: Program, global_batch: int, seed: int = 0):
 def _check_metrics(metrics: Mapping) -> None:
     import jax
 
+    from checkpoint import leaf_path
+
     if jax.numpy.ndim(metrics["loss"]) != 0:
         raise ProgramError(f"program.step's metrics['loss'] must be a scalar, got shape {metrics['loss'].shape}")
-    others = [
-        jax.tree_util.keystr(p, simple=True, separator="/")
-        for p, v in jax.tree_util.tree_flatten_with_path(metrics)[0]
-        if v.ndim
-    ]
+    others = [leaf_path(p) for p, v in jax.tree_util.tree_flatten_with_path(metrics)[0] if v.ndim]
     if others:
         warnings.warn(
             f"program.step returns metrics that are not scalars, which are not recorded: {', '.join(others)}. "

@@ -176,11 +176,10 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     import jax
     import numpy as np
 
-    out = {}
-    for path, value in jax.tree_util.tree_flatten_with_path(metrics)[0]:
-        if np.ndim(value) == 0:
-            out[jax.tree_util.keystr(path, simple=True, separator="/")] = float(value)
-    return out
+    from checkpoint import leaf_path
+
+    leaves = jax.tree_util.tree_flatten_with_path(metrics)[0]
+    return {leaf_path(path): float(value) for path, value in leaves if np.ndim(value) == 0}
 
 
 def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Stop] = lambda: Stop.NO) -> dict:

@@ -39,6 +39,13 @@ class World:
 
 
 def fake_group_cls(world, every, now):
+    def stepped(step):
+        return {"kind": "step", "step": step, "loss": 1.0 / step, "seconds": 0.1, "at": now(),
+                "tokens_per_second": 10.0, "mfu": 0.5}  # fmt: skip
+
+    def saved(step):
+        return {"kind": "checkpoint", "step": step, "seconds": 0.01, "at": now()}
+
     class FakeGroup:
         def __init__(self, hosts, config):
             self.size = hosts
@@ -62,15 +69,7 @@ def fake_group_cls(world, every, now):
                 survivors = []
                 if world.survivors_report:  # they finished one more step before the loss was seen
                     self.step += 1
-                    r = {
-                        "kind": "step",
-                        "step": self.step,
-                        "loss": 1.0 / self.step,
-                        "seconds": 0.1,
-                        "at": now(),
-                        "tokens_per_second": 10.0,
-                        "mfu": 0.5,
-                    }
+                    r = stepped(self.step)
                     survivors = [(i, HostStatus([r], False, None)) for i in range(self.size) if i not in dead]
                 raise HostsLostError(dead, [self.node_ids[i] for i in dead], "ActorDiedError", survivors)
             pending, self.pending = self.pending, []
@@ -78,25 +77,13 @@ def fake_group_cls(world, every, now):
                 return [HostStatus(list(pending), True, None) for _ in range(self.size)]
             if self.stop_now and not world.ignore_stop:  # save the step reached, then end
                 world.committed = self.step
-                saved = {"kind": "checkpoint", "step": self.step, "seconds": 0.01, "at": now()}
-                return [HostStatus([*pending, saved], True, None) for _ in range(self.size)]
+                return [HostStatus([*pending, saved(self.step)], True, None) for _ in range(self.size)]
             self.step += 1
-            reports = [
-                *pending,
-                {
-                    "kind": "step",
-                    "step": self.step,
-                    "loss": 1.0 / self.step,
-                    "seconds": 0.1,
-                    "at": now(),
-                    "tokens_per_second": 10.0,
-                    "mfu": 0.5,
-                },
-            ]
+            reports = [*pending, stepped(self.step)]
             done = False
             if self.step % every == 0:
                 world.committed = self.step
-                reports.append({"kind": "checkpoint", "step": self.step, "seconds": 0.01, "at": now()})
+                reports.append(saved(self.step))
                 done = self.stop
             done = done or self.step >= self.specs[0].steps
             return [HostStatus(list(reports), done, None) for _ in range(self.size)]

@@ -56,3 +56,20 @@ def test_the_job_page_shows_the_latest_run_lets_the_user_pick_earlier_ones_and_c
 
     earlier = browser.dom(f"{url}/jobs/twice?run={first}", str(tmp_path / "profile"))
     assert "an earlier one is shown" in earlier and _plotted(earlier, "throughput") == (1, 30)
+
+
+def test_the_json_api_refuses_a_run_or_points_that_is_not_a_number_and_names_it(dashboard):
+    import json
+    import urllib.error
+    import urllib.request
+
+    url, (first, _) = dashboard
+    for query, message in (("run=x", "run must be an integer, got 'x'"), ("points=ten", "points must be an integer")):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{url}/api/jobs/twice?{query}", timeout=30)
+        assert e.value.code == 400 and message in json.loads(e.value.read())["error"]
+    missing = f"{url}/api/jobs/twice?run={first + 99}"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(missing, timeout=30)
+    assert e.value.code == 404 and f"no run {first + 99} of job 'twice'" in json.loads(e.value.read())["error"]
+    assert json.loads(urllib.request.urlopen(f"{url}/api/jobs/twice?run={first}", timeout=30).read())["run"] == first
