@@ -182,11 +182,10 @@ def _from_store(name: str, store: str | None) -> dict:
 
 
 def _from_logs(logs: str) -> dict:
-    last = None
-    for _last in PROGRESS.finditer(logs or ""):
-        pass
-    if last is None:
+    matches = list(PROGRESS.finditer(logs or ""))
+    if not matches:
         return {}
+    last = matches[-1]  # the newest progress line
     mesh = dict(kv.split("=") for kv in last["mesh"].split(" x "))
     return {
         "steps_completed": int(last["step"]),

@@ -137,3 +137,18 @@ def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_pat
     assert thin["steps_every"] == 10
     assert steps == sorted(set(range(10, 1001, 10)) | {1, 333, 334})  # each segment's first and last kept
     assert all(len([s for s in thin["steps"] if s["step"] == k]) == 2 for k in steps)  # every host
+
+
+def test_status_without_the_store_reads_the_newest_progress_line_of_the_log():
+    from orchestrator.submit import _from_logs
+
+    log = (
+        "step     10/60  loss 4.3680      3,139 tok/s  MFU 1.11%  mesh data=4 x model=2  hosts 4\n"
+        "lost  host(s) [3] after step 40\n"
+        "step     60/60  loss 2.3680      5,139 tok/s  MFU 2.11%  mesh data=4  hosts 2\n"
+    )
+    r = _from_logs(log)
+    assert (
+        r["steps_completed"] == 60 and r["hosts"] == 2 and r["mesh"] == {"data": 4} and r["tokens_per_second"] == 5139
+    )
+    assert _from_logs("no progress yet") == {}
