@@ -94,8 +94,8 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
     if used < n:
         notes.insert(
             0,
-            f"using {used} of {n} devices: the batch dimension {batch_dim} does not divide by "
-            + ", ".join(str(k) for k in range(n, used, -1)),
+            f"using {used} of {n} devices: the batch dimension {batch_dim} does not divide by any count from "
+            f"{used + 1} to {n}",
         )
     if chosen.fsdp > 1:
         notes.append(f"FSDP over {chosen.fsdp} devices: replicated state would exceed the memory limit")

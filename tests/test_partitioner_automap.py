@@ -171,4 +171,4 @@ def test_device_counts_that_are_not_powers_of_two(devices):
     if plan.devices_used < devices:  # and says why: the batch, or a predicted cost
         why = plan.notes[1]
         assert f"using {plan.devices_used} of {devices} devices" in why
-        assert ("does not divide by 7" in why) if devices == 7 else ("predicted slower" in why)
+        assert ("no mesh of 7 to 7 devices divides the batch" in why) if devices == 7 else ("predicted slower" in why)
