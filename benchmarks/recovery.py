@@ -1,6 +1,7 @@
 """Recovery time after a host loss, for the demo job, over several runs.
 
     .venv/bin/python benchmarks/recovery.py --runs 3
+    .venv/bin/python benchmarks/recovery.py --runs 1 --root /tmp/base   # another checkout, for an A/B
 
 Each run is `remesh run examples/gpt/job.toml --chaos lose@30` (4 emulated hosts x 2 fake CPU
 devices, one host killed after step 30). Reports per run: detection latency, the recovery parts
@@ -23,7 +24,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def one_run(steps: int, lose_at: int) -> dict:
+def one_run(steps: int, lose_at: int, root: str = ROOT) -> dict:
     d = tempfile.mkdtemp(prefix="remesh-bench-")
     summary = os.path.join(d, "summary.json")
     cmd = [
@@ -40,12 +41,13 @@ def one_run(steps: int, lose_at: int) -> dict:
         summary,
     ]
     job = os.path.join(d, "job.toml")
-    with open(os.path.join(ROOT, "examples/gpt/job.toml")) as f:
+    with open(os.path.join(root, "examples/gpt/job.toml")) as f:
         text = f.read().replace("steps = 120", f"steps = {steps}")
     with open(job, "w") as f:
         f.write(text)
     cmd[4] = job
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
+    # The checkout in `root` runs: `python -m` and the host actors' PYTHONPATH take the working directory.
+    subprocess.run(cmd, cwd=root, check=True, capture_output=True, timeout=900)
     with open(summary) as f:
         return json.load(f)
 
@@ -72,10 +74,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--lose-at", type=int, default=30)
+    ap.add_argument("--root", default=ROOT, help="the remesh checkout to run (default: this one)")
     args = ap.parse_args()
     rows = []
     for i in range(args.runs):
-        rows.append(parts(one_run(args.steps, args.lose_at)))
+        rows.append(parts(one_run(args.steps, args.lose_at, os.path.abspath(args.root))))
         print(json.dumps({"run": i, **{k: round(v, 2) for k, v in rows[-1].items()}}), flush=True)
     med = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
     print(json.dumps({"median": med, "runs": args.runs}))

@@ -16,6 +16,7 @@ resharding, not against an adversary).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 
@@ -48,14 +49,12 @@ def _leaf_sums(x):
     for d in reversed(range(w.ndim)):
         index = index + lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
         stride *= w.shape[d]
-    sums = []
-    for a, b, c in ((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D), (0x27D4EB2F, 0x165667B1, 0x61C88647)):
-        h = w * jnp.uint32(a) ^ (index * jnp.uint32(b) + jnp.uint32(c))
-        h = h ^ (h >> 15)
-        h = h * jnp.uint32(c)
-        h = h ^ (h >> 13)
-        sums.append(jnp.sum(h, dtype=jnp.uint32))
-    return jnp.stack(sums)
+    # Each step is a bijection of the word for a fixed index, so one changed word changes the first
+    # sum; the second mixes further, so that moved words are caught by one of the two.
+    h = (w ^ index * jnp.uint32(0x9E3779B1)) * jnp.uint32(0x85EBCA77)
+    h = h ^ (h >> 15)
+    g = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE3D)
+    return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(g ^ (g >> 16), dtype=jnp.uint32)])
 
 
 def _digest_sums(state):
@@ -66,13 +65,15 @@ def _digest_sums(state):
     return jnp.stack([_leaf_sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
 
 
-def compile_digest(abstract_state: Any):
-    """The digest's device program for states shaped (and sharded) like `abstract_state`."""
+def compile_digest(abstract_state: Any, compile: Callable | None = None):
+    """The digest's device program for states shaped (and sharded) like `abstract_state`;
+    `compile(lowered)` compiles it (default: `lowered.compile()`)."""
     import jax
 
     meshes = [x.sharding.mesh for x in jax.tree.leaves(abstract_state) if hasattr(getattr(x, "sharding", None), "mesh")]
     out = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec()) if meshes else None
-    return jax.jit(_digest_sums, out_shardings=out).lower(abstract_state).compile()
+    lowered = jax.jit(_digest_sums, out_shardings=out).lower(abstract_state)
+    return compile(lowered) if compile else lowered.compile()
 
 
 def check_digestible(abstract_state: Any) -> None:

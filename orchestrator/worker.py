@@ -12,6 +12,7 @@ so it belongs to whoever starts the process, never to this module.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import json
@@ -153,11 +154,15 @@ class StopAgreement:
         self._should_stop = should_stop
         self._processes = processes
         self._check_seconds = check_seconds
-        self._next = 0  # the next step to check at (0: the first step)
+        # The next step to check at. Not a segment's first step: the broadcast's own first run
+        # compiles a small program, which would delay the step a recovery waits for.
+        self._next: int | None = None
 
     def agree(self, step: int, boundary: bool, step_seconds: float) -> Stop:
         if self._processes == 1:
             return self._should_stop()
+        if self._next is None:
+            self._next = step + 1
         if not (boundary or step >= self._next):
             return Stop.NO
         import numpy as np
@@ -212,8 +217,13 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     step_fn = jax.jit(
         program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=(0,)
     )
-    compiled = _compile_once(step_fn.lower(abstract_state, abstract_batch), spec)
-    digest_fn = compile_digest(target) if spec.digest else None
+    # The digest's program compiles in a thread beside the step's (XLA releases the GIL), and like
+    # the step's, once per group.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        share = lambda lowered: _compile_once(lowered, spec)
+        pending = pool.submit(compile_digest, target, share) if spec.digest else None
+        compiled = share(step_fn.lower(abstract_state, abstract_batch))
+        digest_fn = pending.result() if pending else None
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", **flops)
 
