@@ -47,7 +47,7 @@ from . import exact
 from .cost import GraphCost, estimate
 from .fold import Fold, fold
 from .hardware import Hardware, profile
-from .ir import FactorKind, Graph, capture
+from .ir import FactorKind, Graph, Op, capture
 from .plan import Cost, Plan
 from .propagate import Propagation, Sharding, propagate
 from .search import PlanInputError, PlanMemoryError, _batch_argnums
@@ -99,7 +99,17 @@ class _Inputs:
 
 
 LEVELS = ("fast", "thorough")
-TACTICS = ("dp", "fsdp", "megatron", "megatron+fsdp", "expert", "expert+megatron", "expert+megatron+fsdp", "exact")
+TACTICS = (
+    "dp",
+    "fsdp",
+    "megatron",
+    "megatron+fsdp",
+    "expert",
+    "expert+megatron",
+    "expert+megatron+fsdp",
+    "refined",
+    "exact",
+)
 
 
 def plan(
@@ -110,8 +120,11 @@ def plan(
     memory_limit: int | None = None,
     level: str = "fast",
     batch_argnums: Sequence[int] | None = None,
+    compile_check: bool | str = "auto",
 ) -> Plan:
     """The best plan found for `fn(*args)` on `devices` (a count or a list of devices).
+    `compile_check`: "auto" compiles the top candidates where predictions are close or a
+    primitive has no rule (and this process has the devices); True always, False never.
 
     Example:
         >>> p = plan(train_step, state, batch, devices=8, hardware="h100")
@@ -121,7 +134,14 @@ def plan(
     if n < 1:
         raise PlanInputError(f"devices must be at least 1, got {n}")
     return search(
-        fn, *args, devices=n, hardware=hardware, memory_limit=memory_limit, level=level, batch_argnums=batch_argnums
+        fn,
+        *args,
+        devices=n,
+        hardware=hardware,
+        memory_limit=memory_limit,
+        level=level,
+        batch_argnums=batch_argnums,
+        compile_check=compile_check,
     )[0]
 
 
@@ -149,6 +169,7 @@ def _search(
     batch_argnums: Sequence[int] | None = None,
     level: str = "fast",
     tactics: Collection[str] | None = None,
+    compile_check: bool | str = "auto",
 ) -> tuple[Plan, list[Candidate]]:
     """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits
     the search to the named ones (`TACTICS`; "exact" is the thorough level's solver).
@@ -174,6 +195,8 @@ def _search(
         for c in _tactics(inputs, mesh, hw)
         if tactics is None or c.tactic.split("+sequence")[0] in tactics
     ]
+    if tactics is None or "refined" in tactics:
+        candidates += _refined(inputs, candidates, hw, limit)
     if level == "thorough" and (tactics is None or "exact" in tactics):
         candidates += _solved(inputs, candidates, hw, limit)
     if not candidates:
@@ -187,14 +210,69 @@ def _search(
             f"({least.tactic} on {dict(least.mesh)}), {(least.cost.peak_bytes_per_device - limit) / 2**30:.2f} GiB over. "
             "Use more devices, a smaller batch, or a larger memory_limit"
         )
-    best = fitting[0]
+    best, guard = _guarded(fn, args, inputs, fitting, devices, hw, limit, compile_check)
     t2 = time.perf_counter()
     timing = (
         f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops), fold {inputs.seconds[1]:.2f} s "
         f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     )
-    plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing)
+    plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
     return plan, ranked
+
+
+CLOSE = 1.25  # candidates predicted within this factor of the best are worth compiling to tell apart
+GUARD_TOP = 3  # candidates compiled by the guard
+
+
+def _guarded(fn, args, inputs: _Inputs, fitting: list[Candidate], devices: int, hw: Hardware, limit: int, check):
+    """The compiler as a guard (`compile_check`): where the best candidates are predicted within
+    CLOSE of each other, or some primitive was planned without a rule, the best GUARD_TOP (one
+    per tactic and mesh) are compiled on this process's devices and the one XLA makes cheapest,
+    priced by `verify` with the same hardware profile, is chosen. Skipped, and said why, where
+    there are fewer devices here than the plans use."""
+    best = fitting[0]
+    unknown = sorted(inputs.fold.graph.unknown.items())
+    ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
+    # Fast's own pool among them (the same at thorough), so thorough compiles what fast compiles.
+    pools = [fitting, [c for c in fitting if _fast_mesh(c.mesh, hw) and not c.tactic.startswith("exact")]]
+    close = any(
+        len([c for c in pool if c.cost.total_seconds <= CLOSE * pool[0].cost.total_seconds]) >= 2
+        for pool in pools
+        if pool
+    )
+    top = [c for pool in pools for c in _distinct(pool)[:GUARD_TOP]]
+    top = sorted({id(c): c for c in top}.values(), key=lambda c: c.cost.total_seconds)
+    differ = bool(pools[1]) and pools[1][0] is not best
+    if check is False or (check == "auto" and not (close or unknown or differ)) or len(top) < 2:
+        return best, tuple(n for n in (ruleless,) if n)
+    here = len(jax.devices())
+    need = max(math.prod(c.mesh.values()) for c in top)
+    if here < need:
+        why = f"compile check skipped: {here} device(s) in this process, the candidates use {need}"
+        return best, tuple(n for n in (ruleless, why) if n)
+    from .verify import verify  # (compiles: only when the guard runs)
+
+    priced = []
+    for c in top:
+        v = verify(_to_plan(inputs, c, args, devices, 0.0, [c], limit, hw), fn, *args, hardware=hw)
+        priced.append((v.compute_seconds + v.communication_seconds, c))
+    chosen = min(priced, key=lambda t: t[0])[1]
+    said = ", ".join(f"{c.tactic} on {_mesh_text(c.mesh)} {sec * 1e3:.3f} ms" for sec, c in priced)
+    why = "close predictions" if close else "primitives without a rule" if unknown else "the fast level's best differs"
+    note = f"compiled the top {len(priced)} ({why}): {said}; chose {chosen.tactic} on {_mesh_text(chosen.mesh)}"
+    return chosen, tuple(n for n in (ruleless, note) if n)
+
+
+def _distinct(ranked: list[Candidate]) -> list[Candidate]:
+    """The best candidate of each tactic and mesh, in order."""
+    out: dict[tuple, Candidate] = {}
+    for c in ranked:
+        out.setdefault((c.tactic, tuple(c.mesh.items())), c)
+    return list(out.values())
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "data=1"
 
 
 def _inputs(fn, args, batch_argnums) -> _Inputs:
@@ -231,7 +309,11 @@ def _key_name(key) -> str:
 
 def _meshes(devices: int, inputs: _Inputs, hw: Hardware, level: str) -> list[dict[str, int]]:
     """(data, seq, model) factorizations of all the devices, and of the most devices whose count
-    the batch divides (6 of 7 for a batch of 24)."""
+    the batch divides (6 of 7 for a batch of 24). `data` must divide the batch and `seq` every
+    batch leaf's sequence. The fast level keeps to meshes without seq and with model within a
+    host (`_fast_mesh`), except where none of those uses every device (a batch of 64 on 1,024):
+    then it also prices all-device meshes with the two largest data axes the batch allows, the
+    rest of the devices over seq and model, so a plan uses the cluster wherever that is cheaper."""
     leaves = [
         inputs.graph.values[v].shape
         for v, a in zip(inputs.ids, inputs.argnum)
@@ -242,18 +324,28 @@ def _meshes(devices: int, inputs: _Inputs, hw: Hardware, level: str) -> list[dic
     divides = lambda d: all(s[0] % d == 0 for s in leaves)
     seq_divides = lambda q: any(len(s) >= 2 for s in leaves) and all(s[1] % q == 0 for s in leaves if len(s) >= 2)
     counts = [devices] + [next((m for m in range(devices - 1, 0, -1) if divides(m)), 1)]
-    fast_model = hw.devices_per_host if hw.inter.bandwidth < hw.intra.bandwidth else 16
-    out = []
-    for m in dict.fromkeys(counts):
-        for t in _divisors(m):
-            for q in _divisors(m // t):
-                d = m // t // q
-                if not divides(d) or (q > 1 and not seq_divides(q)):
-                    continue
-                if level == "fast" and (q > 1 or t > fast_model):
-                    continue
-                out.append({"data": d, "seq": q, "model": t})
+    valid = {
+        m: [
+            {"data": m // t // q, "seq": q, "model": t}
+            for t in _divisors(m)
+            for q in _divisors(m // t)
+            if divides(m // t // q) and (q == 1 or seq_divides(q))
+        ]
+        for m in dict.fromkeys(counts)
+    }
+    if level != "fast":
+        return [mesh for meshes in valid.values() for mesh in meshes]
+    out = [mesh for meshes in valid.values() for mesh in meshes if _fast_mesh(mesh, hw)]
+    if not any(math.prod(mesh.values()) == devices for mesh in out):
+        largest = sorted({mesh["data"] for mesh in valid[devices]}, reverse=True)[:2]
+        out += [mesh for mesh in valid[devices] if mesh["data"] in largest]
     return out
+
+
+def _fast_mesh(mesh: Mapping[str, int], hw: Hardware) -> bool:
+    """A mesh the fast level searches: no seq axis, model within one host's fast links."""
+    fast_model = hw.devices_per_host if hw.inter.bandwidth < hw.intra.bandwidth else 16
+    return mesh["seq"] == 1 and mesh["model"] <= fast_model
 
 
 def _divisors(n: int) -> list[int]:
@@ -321,6 +413,57 @@ def _priced(
     return Candidate(name, dict(mesh), annotations, estimate(inputs.graph, prop, mesh, hw, inputs.fold), prop)
 
 
+def _refined(inputs: _Inputs, candidates: list[Candidate], hw: Hardware, limit: int) -> list[Candidate]:
+    """The best tensor-parallel candidates that fit, improved one weight at a time: each matmul
+    weight in program order tries every split over model (and none), priced, and keeps the
+    cheapest that fits. The tactics read Megatron's alternation from the graph; where a program
+    breaks it (a fused QKV projection cut by `jnp.split`, a router beside the experts), this is
+    what finds the split an engineer would choose. On each of the REFINED_TP best meshes, from
+    its best candidate without FSDP and its best with (FSDP kept on every trial)."""
+    tp = sorted(
+        (c for c in candidates if c.mesh["model"] > 1 and c.cost.peak_bytes_per_device <= limit),
+        key=lambda c: c.cost.total_seconds,
+    )
+    starts: dict[tuple, Candidate] = {}
+    for pool in (tp, [c for c in tp if _fast_mesh(c.mesh, hw)]):  # (thorough: what fast refines too)
+        meshes = list(dict.fromkeys(tuple(c.mesh.items()) for c in pool))[:REFINED_TP]
+        for c in pool:
+            if tuple(c.mesh.items()) in meshes:
+                starts.setdefault((tuple(c.mesh.items()), "fsdp" in c.tactic), c)
+    return [_refine(inputs, c, hw, limit, fsdp) for (_, fsdp), c in starts.items()]
+
+
+REFINED_TP = 2  # meshes whose best tensor-parallel candidates are refined
+
+
+def _refine(inputs: _Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bool) -> Candidate:
+    mesh, g = dict(start.mesh), inputs.graph
+    batch, state = _batch(inputs, mesh), _state(inputs)
+    name = "refined" + ("+fsdp" if fsdp else "") + ("+sequence" if mesh["seq"] > 1 else "")
+    model_only = lambda sh: tuple(tuple(a for a in axes if a == "model") for axes in sh)
+    weights = _weights_in_order(inputs)
+    chosen = {w.value: model_only(start.annotations[w.value]) for w in weights if w.value in start.annotations}
+    chosen = {v: sh for v, sh in chosen.items() if any(sh)}
+
+    def price(tp):
+        ann = _add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp
+        return _priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
+
+    best = price(chosen)
+    for w in weights:
+        shape = w.shape(g)
+        for d in [None] + [d for d, n in enumerate(shape) if n % mesh["model"] == 0 and n >= mesh["model"]]:
+            trial = {k: v for k, v in chosen.items() if k != w.value}
+            if d is not None:
+                trial[w.value] = w.sharding(_split(shape, d, "model"))
+            if trial == chosen:
+                continue
+            c = price(trial)
+            if c.cost.peak_bytes_per_device <= limit and c.cost.total_seconds < best.cost.total_seconds:
+                best, chosen = c, trial
+    return best
+
+
 REFINED_MESHES = 4  # thorough: meshes the exact solver refines, best tactic first
 K_BEST = 3  # the solver's best answers priced exactly, per mesh
 ROUNDS = 2  # re-linearisations around an improved answer, per mesh
@@ -375,7 +518,7 @@ def _solve_mesh(inputs: _Inputs, mesh: dict[str, int], hw: Hardware, limit: int,
         return cache[key]
 
     def option_of(w: _Weight, opts: list) -> int:
-        given = start.annotations.get(w.value, ())[1 if w.stacked else 0 :]
+        given = w.operand_sharding(start.annotations.get(w.value, ()))
         dims = [d for d, axes in enumerate(given) if "model" in axes]
         return opts.index(dims[0]) if dims and dims[0] in opts else 0
 
@@ -459,32 +602,74 @@ class _Weight:
     op: Any  # the matmul that first reads it
     k: int  # which operand
     value: int  # the state input
-    stacked: bool  # read one layer at a time through a scan (its leading dimension is the layer)
+    dims: tuple[int, ...]  # per dimension of the matmul's operand, the input's dimension it is (-1: none)
+    rank: int  # the input's
 
-    def sharding(self, per_layer: Sharding) -> Sharding:
+    @property
+    def stacked(self) -> bool:
+        """Read one layer at a time through a scan (the input's leading dimension is the layer)."""
+        return 0 not in self.dims and self.rank > len(self.dims)
+
+    def sharding(self, per_operand: Sharding) -> Sharding:
         """The input's sharding for a split of what the matmul reads."""
-        return (((),) if self.stacked else ()) + tuple(per_layer)
+        out = [()] * self.rank
+        for d, axes in zip(self.dims, per_operand):
+            if d >= 0:
+                out[d] = tuple(axes)
+        return tuple(out)
+
+    def operand_sharding(self, given: Sharding) -> Sharding:
+        """What the matmul reads, for a sharding of the input."""
+        return tuple(tuple(given[d]) if d >= 0 and d < len(given) else () for d in self.dims)
 
     def shape(self, g: Graph) -> tuple[int, ...]:
         return g.values[self.op.operands[self.k]].shape
 
 
+# Ops a weight passes through on its way to a matmul without changing what it holds: a cast (float32
+# master weights computed in bfloat16), a copy, a transpose, one layer's slice of a scanned stack.
+_CARRIES_WEIGHT = {"convert_element_type", "copy", "copy_p", "reduce_precision", "transpose", "scan_slice"}
+
+
+def _source(g: Graph, producer: Mapping[int, Op], state: Collection[int], v: int) -> tuple[int, tuple[int, ...]] | None:
+    """The state input `v` is read from, through ops that carry a weight unchanged, and per
+    dimension of `v` the input's dimension it is (by the factors each op ties them with)."""
+    rank = len(g.values[v].shape)
+    dims = tuple(range(rank))
+    while v not in state:
+        op = producer.get(v)
+        if op is None or op.primitive not in _CARRIES_WEIGHT or op.body is not None:
+            return None
+        (src, src_dims) = next(((o, d) for o, d in zip(op.operands, op.operand_dims) if o >= 0), (None, None))
+        if src is None:
+            return None
+        where = {fs[0]: i for i, fs in enumerate(src_dims) if fs}
+        res = op.result_dims[op.results.index(v)]
+        dims = tuple(where.get(res[d][0], -1) if d >= 0 and res[d] else -1 for d in dims)
+        v = src
+    return v, dims
+
+
 def _weights_in_order(inputs: _Inputs) -> list[_Weight]:
-    """Matmul weights in program order, first use only, read directly or a layer at a time from
-    a scanned stack; tables read by a gather (embeddings) are left to the other tactics."""
+    """Matmul weights in program order, first use only, read directly or through a cast, a
+    transpose or a layer at a time from a scanned stack. A table read by a gather is one only
+    where a matmul reads it too (a tied embedding: its vocabulary split is the logits')."""
     g = inputs.graph
     state = set(_state(inputs))
-    gathered = {op.operands[0] for op in g.ops if op.primitive == "gather"}
-    sliced = {op.results[0]: op.operands[0] for op in g.ops if op.primitive == "scan_slice"}
+    producer = {r: op for op in g.ops for r in op.results}
     seen, out = set(), []
     for op in g.ops:
         if op.primitive != "dot_general":
             continue
         for k, v in enumerate(op.operands):
-            src = sliced.get(v, v)
-            if src in state and src not in seen and src not in gathered and len(g.values[v].shape) >= 2:
-                seen.add(src)
-                out.append(_Weight(op, k, src, src != v))
+            if v < 0 or len(g.values[v].shape) < 2:
+                continue
+            found = _source(g, producer, state, v)
+            if found is None or found[0] in seen:
+                continue
+            src, dims = found
+            seen.add(src)
+            out.append(_Weight(op, k, src, dims, len(g.values[src].shape)))
     return out
 
 
@@ -511,15 +696,16 @@ def _megatron(
             "model" in axes and kind(dims) is FactorKind.REDUCE for axes, dims in zip(x_sharding, x_dims)
         )
         shared = {dims[0] for dims in x_dims if dims}
-        if arrives_split:  # row-parallel: split the contracted dimension, as the activation is
-            dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.REDUCE]
-        else:  # column-parallel: split an output dimension
+        if arrives_split:  # row-parallel: split the contracted dimension the activation is split on
+            split = {ds[0] for axes, ds in zip(x_sharding, x_dims) if "model" in axes and ds}
+            dims = [d for d, ds in enumerate(w_dims) if ds and ds[0] in split]
+        else:  # column-parallel: split an output dimension, the major one (heads, not head_dim)
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
         shape = weight.shape(g)
         dims = [d for d in dims if shape[d] % t == 0]
         if not dims:
             continue
-        chosen[w] = weight.sharding(_split(shape, dims[-1], "model"))
+        chosen[w] = weight.sharding(_split(shape, dims[0], "model"))
         prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
     return chosen
 
@@ -566,6 +752,7 @@ def _to_plan(
     limit: int,
     hw: Hardware,
     timing: str = "",
+    guard: tuple[str, ...] = (),
 ) -> Plan:
     g = inputs.graph
     specs = [_spec(best.propagation.of(v, len(g.values[v].shape))) for v in inputs.ids]
@@ -589,18 +776,7 @@ def _to_plan(
             seen.add(r.tactic)
             runners.append(r)
     used = math.prod(best.mesh.values())
-    lost = ()
-    if used < devices:
-        whole = [r for r in ranked if math.prod(r.mesh.values()) == devices and r.cost.peak_bytes_per_device <= limit]
-        lost = (
-            f"using {used} of {devices} devices: "
-            + (
-                f"the best plan on all {devices} is predicted slower ({whole[0].cost.total_seconds * 1e3:.3f} ms against "
-                f"{best.cost.total_seconds * 1e3:.3f} ms)"
-                if whole
-                else f"no mesh of {used + 1} to {devices} devices divides the batch (and sequence) evenly"
-            ),
-        )
+    lost = (_unused(inputs, devices, best, ranked, limit),) if used < devices else ()
     notes = (
         (f"chosen: {best.line()}",)
         + lost
@@ -608,6 +784,7 @@ def _to_plan(
             f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
             for r in sorted(runners, key=lambda r: r.cost.total_seconds)
         )
+        + guard
         + ((timing,) if timing else ())
     )
     mesh = {k: v for k, v in best.mesh.items() if v > 1} or {"data": 1}
@@ -619,6 +796,35 @@ def _to_plan(
         search_seconds=seconds,
         devices=devices,
         notes=notes,
+    )
+
+
+def _unused(inputs: _Inputs, devices: int, best: Candidate, ranked: list[Candidate], limit: int) -> str:
+    """One line: why the plan leaves devices idle."""
+    used = math.prod(best.mesh.values())
+    head = f"using {used} of {devices} devices: "
+    whole = [r for r in ranked if math.prod(r.mesh.values()) == devices]
+    fitting = [r for r in whole if r.cost.peak_bytes_per_device <= limit]
+    if fitting:
+        return head + (
+            f"the best plan on all {devices} ({fitting[0].tactic} on {_mesh_text(fitting[0].mesh)}) is predicted "
+            f"slower, {fitting[0].cost.total_seconds * 1e3:.3f} ms against {best.cost.total_seconds * 1e3:.3f} ms"
+        )
+    if whole:
+        least = min(whole, key=lambda r: r.cost.peak_bytes_per_device)
+        return (
+            head
+            + f"every plan on all {devices} needs more memory ({least.cost.peak_bytes_per_device / 2**30:.2f} GiB/device)"
+        )
+    g = inputs.graph
+    batch = [
+        g.values[v].shape for v, a in zip(inputs.ids, inputs.argnum) if a in inputs.batch_argnums and g.values[v].shape
+    ]
+    b = math.gcd(*(s[0] for s in batch))
+    data = math.gcd(b, devices)
+    return head + (
+        f"on all {devices}, data can be at most {data} (the batch is {b}) and no weight or sequence splits "
+        f"the remaining {devices // data} evenly"
     )
 
 

@@ -764,6 +764,53 @@ def _scatter(eqn, in_shapes, out_shapes):
     return factors, [tuple(op_dims), tuple(idx_dims), tuple(upd_dims)], [tuple(op_dims)], math.prod(updates)
 
 
+def _conv(eqn, in_shapes, out_shapes):
+    """conv_general_dilated: the batch passes from input to output, input features are contracted
+    with the kernel's, output features pass from kernel to output; spatial (windowed) dims are
+    opaque. Grouped convolutions are opaque throughout."""
+    p = eqn.params
+    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+        return _opaque(eqn, in_shapes, out_shapes)
+    ls, rs, os_ = p["dimension_numbers"]
+    (lhs, rhs), out = in_shapes, out_shapes[0]
+    factors: list[Factor] = []
+    ld: list[tuple] = [()] * len(lhs)
+    rd: list[tuple] = [()] * len(rhs)
+    od: list[tuple] = [()] * len(out)
+    for dims, shape, spec in ((ld, lhs, ls), (rd, rhs, rs), (od, out, os_)):
+        for d in spec[2:]:
+            dims[d] = _own((shape[d],), factors, FactorKind.OPAQUE)[0]
+    factors.append(Factor(lhs[ls[0]], FactorKind.PASS))
+    ld[ls[0]] = od[os_[0]] = (len(factors) - 1,)
+    factors.append(Factor(lhs[ls[1]], FactorKind.REDUCE))
+    ld[ls[1]] = rd[rs[1]] = (len(factors) - 1,)
+    factors.append(Factor(rhs[rs[0]], FactorKind.PASS))
+    rd[rs[0]] = od[os_[1]] = (len(factors) - 1,)
+    flops = 2 * math.prod(out) * lhs[ls[1]] * math.prod(rhs[d] for d in rs[2:])
+    return factors, [tuple(ld), tuple(rd)], [tuple(od)], flops
+
+
+def _split(eqn, in_shapes, out_shapes):
+    """split[axis] (`jnp.split`, a fused QKV cut in three): other dims pass through; the cut one
+    is opaque in the operand, and each piece's is its own (taking a piece of a replicated operand
+    in any layout is free)."""
+    axis = eqn.params["axis"]
+    factors: list[Factor] = []
+    op = list(_own(in_shapes[0], factors))
+    op[axis] = _own((in_shapes[0][axis],), factors, FactorKind.OPAQUE)[0]
+    res = [tuple(op[:axis]) + _own((s[axis],), factors) + tuple(op[axis + 1 :]) for s in out_shapes]
+    return factors, [tuple(op)], res, 0.0
+
+
+def _top_k(eqn, in_shapes, out_shapes):
+    """top_k along the last axis: the leading dims pass through, the last is opaque."""
+    factors: list[Factor] = []
+    lead = _own(in_shapes[0][:-1], factors)
+    op = lead + _own(in_shapes[0][-1:], factors, FactorKind.OPAQUE)
+    res = [lead + _own(s[-1:], factors, FactorKind.OPAQUE) for s in out_shapes]
+    return factors, [op], res, math.prod(in_shapes[0])
+
+
 def _stack(eqn, in_shapes, out_shapes):
     """stack[axis]: operands' dims pass through; the new axis (one slot per operand) is opaque."""
     axis = eqn.params["axis"]
@@ -814,6 +861,9 @@ RULES = {
     "rev": _same_where_unchanged,
     "dynamic_slice": _same_where_unchanged,
     "dynamic_update_slice": _same_where_unchanged,
+    "conv_general_dilated": _conv,
+    "split": _split,
+    "top_k": _top_k,
     "stack": _stack,
     "unstack": _unstack,
     "gather": _gather,

@@ -41,16 +41,18 @@ def test_plan_command_explains_its_choice(capsys):
     assert main(["plan", "examples.gpt.model:plan_target", "--devices", "7", "--hardware", "h100"]) == 0
     out = capsys.readouterr().out
     assert "mesh data=6 (6 of 7 devices)" in out and "all-reduce" in out
-    assert "note: using 6 of 7 devices: no mesh of 7 to 7 devices divides the batch" in out
+    assert (
+        "note: using 6 of 7 devices: on all 7, data can be at most 1 (the batch is 24) and no weight or sequence "
+        "splits the remaining 7 evenly" in out
+    )
 
 
 def test_plan_notes_say_in_one_line_why_devices_go_unused_however_many_there_are(capsys):
     assert main(["plan", "examples.gpt.model:plan_target", "--devices", "1024", "--hardware", "h100"]) == 0
     (reason,) = [line for line in capsys.readouterr().out.splitlines() if "note: using" in line]
-    assert (
-        reason.strip()
-        == "note: using 24 of 1024 devices: no mesh of 25 to 1024 devices divides the batch (and sequence) evenly"
-    )
+    # The batch of 24 fills 24; meshes on all 1,024 put the rest over seq and model, and lose.
+    assert reason.strip().startswith("note: using 24 of 1024 devices: the best plan on all 1024 (")
+    assert "is predicted slower" in reason
 
 
 def test_plan_from_a_job_file_prices_with_the_jobs_hardware_and_names_leaves_as_checkpoints_do(capsys):

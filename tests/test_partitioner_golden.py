@@ -31,13 +31,14 @@ CASES = [
 @pytest.mark.parametrize("model, devices, hardware", CASES, ids=lambda x: str(x))
 def test_plan_matches_its_golden_file(model, devices, hardware):
     fn, args = TARGETS[model]()
-    plan, _ = search(fn, *args, devices=devices, hardware=hardware)
+    plan, _ = search(fn, *args, devices=devices, hardware=hardware, compile_check=False)  # (the model's choice)
     doc = plan.to_dict()
     got = {"mesh": doc["mesh"], "in_specs": doc["in_specs"], "chosen": plan.notes[0].split()[1]}
     path = os.path.join(GOLDEN, f"{model}-{devices}-{hardware}.json")
     if os.environ.get("REMESH_UPDATE_GOLDEN"):
         with open(path, "w") as f:
             json.dump(got, f, indent=1, sort_keys=True)
+            f.write("\n")
     if not os.path.exists(path):
         pytest.fail(f"golden plan {path} is missing: run with REMESH_UPDATE_GOLDEN=1 to write it, then review it")
     with open(path) as f:

@@ -136,3 +136,32 @@ def test_a_llama_style_step_is_captured_whole():
     g = capture(fn, *args)
     assert g.unknown == {}  # RMSNorm, rotary embeddings (stack/unstack), grouped-query repeat, SwiGLU
     assert len([op for op in g.ops if op.primitive == "dot_general"]) >= 2 * 9 * 3 // 2
+
+
+def test_a_convolution_passes_the_batch_and_contracts_input_features():
+    conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    g = capture(conv, f32(8, 32, 32, 3), f32(3, 3, 3, 16))
+    op = only(g, "conv_general_dilated")
+    (xn, xh, xw, xc), (kh, kw, ki, ko) = op.operand_dims
+    (yn, yh, yw, yc) = op.result_dims[0]
+    assert xn == yn and op.factors[xn[0]].kind is FactorKind.PASS and op.factors[xn[0]].size == 8
+    assert xc == ki and op.factors[xc[0]].kind is FactorKind.REDUCE
+    assert ko == yc and op.factors[ko[0]].kind is FactorKind.PASS
+    assert all(op.factors[d[0]].kind is FactorKind.OPAQUE for d in (xh, xw, kh, kw, yh, yw))
+    assert op.flops == 2 * 8 * 16 * 16 * 16 * 3 * 3 * 3
+    assert not g.unknown
+
+
+def test_a_fused_projection_cut_by_split_and_top_k_have_rules():
+    def f(x, w):
+        q, k, v = jnp.split(x @ w, 3, axis=-1)
+        return jax.lax.top_k(q + k + v, 2)
+
+    g = capture(f, f32(8, 16), f32(16, 96))
+    op = only(g, "split")
+    (rows, cut) = op.operand_dims[0]
+    assert op.factors[cut[0]].kind is FactorKind.OPAQUE and op.factors[rows[0]].kind is FactorKind.PASS
+    assert all(res[0] == rows and res[1] != cut for res in op.result_dims)
+    top = only(g, "top_k")
+    assert top.operand_dims[0][0] == top.result_dims[0][0] == top.result_dims[1][0]
+    assert not g.unknown
