@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install browser lint clean
+.PHONY: demo test test-slow install browser lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) browser lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# The slow tier (the partitioner corpus, about 15 minutes on 2 cores); CI runs it after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
