@@ -206,7 +206,6 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     abstract_state, abstract_batch = abstract_inputs(program, spec.global_batch, spec.seed)
     state_sh = plan.shardings(mesh, abstract_state, argnum=0)
     batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     store = StoreConfig(keep_last=spec.checkpoint.keep, keep_every=spec.checkpoint.keep_every or None).create(
         spec.checkpoint.dir
@@ -214,9 +213,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     lap("load")
 
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
-    step_fn = jax.jit(
-        program.step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=(0,)
-    )
+    step_fn = plan.jit(program.step, (abstract_state, abstract_batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
     # The digest's program compiles in a thread beside the step's (XLA releases the GIL), and like
     # the step's, once per group.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -115,12 +115,51 @@ class Plan:
         specs = self.specs_like(tree, argnum=argnum)
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
-    def jit(self, fn, args: Sequence[Any], devices: Sequence[jax.Device], **jit_kwargs):
-        """`fn` jitted with this plan's shardings on `devices`."""
+    def jit(
+        self,
+        fn,
+        args: Sequence[Any],
+        devices: Sequence[jax.Device],
+        *,
+        carry: Mapping[int, int] | None = None,
+        donate_argnums: Sequence[int] = (),
+        **jit_kwargs,
+    ):
+        """`fn` jitted with this plan's shardings on `devices`: the one way a plan is compiled.
+
+        `carry`: {output index: argument index} for a function returning a tuple whose element is
+        an argument's next value (a training step's new state, `carry={0: 0}`): it keeps that
+        argument's shardings, so its donated buffers are reused in place and the next call needs
+        no reshard. Other outputs take the plan's `out_specs`; those it keeps replicated (metrics)
+        are given as one replicated prefix, so `fn` need not be traced to learn their tree.
+
+        Example:
+            >>> step = plan.jit(train_step, (state, batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
+        """
         mesh = self.bind(devices)
         ins = tuple(self.shardings(mesh, a, argnum=i) for i, a in enumerate(args))
-        outs = self.shardings(mesh, jax.eval_shape(fn, *args))  # by key path, so JSON plans work too
-        return jax.jit(fn, in_shardings=ins, out_shardings=outs, **jit_kwargs)
+        outs = self._carried_outputs(mesh, ins, carry) if carry else None
+        if outs is None:  # by key path, so JSON plans work too
+            outs = self.shardings(mesh, jax.eval_shape(fn, *args))
+        return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=tuple(donate_argnums), **jit_kwargs)
+
+    def _carried_outputs(self, mesh: Mesh, ins: tuple, carry: Mapping[int, int]) -> tuple | None:
+        """Output shardings for a tuple output without tracing, or None where the plan splits an
+        output that is not carried (its tree is then needed)."""
+        flat = _flatten_specs(self.out_specs)
+        if not flat:
+            return None
+        count = 1 + max([*carry, *(int(k.split("/")[0]) for k in flat if k.split("/")[0].isdigit())])
+        outs = []
+        for i in range(count):
+            if i in carry:
+                outs.append(ins[carry[i]])
+                continue
+            mine = [s for k, s in flat.items() if k == str(i) or k.startswith(f"{i}/")]
+            if any(tuple(s) for s in mine):
+                return None
+            outs.append(NamedSharding(mesh, PartitionSpec()))
+        return tuple(outs)
 
     # -- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -86,3 +86,22 @@ def test_bound_plan_computes_what_one_device_computes(gpt, devices8):
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(reference)):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+def test_plan_jit_keeps_a_carried_state_in_place_without_tracing_for_outputs(gpt, devices8, monkeypatch):
+    """The orchestrator's one compile path: the new state keeps the state's shardings (donated
+    buffers reused), metrics replicated, and `fn` is not traced to learn the output tree."""
+    import jax
+
+    program, state, batch = gpt
+    plan = partitioner.plan_by_shapes(program.step, state, batch, devices=8, hardware="cpu")
+    plan = partitioner.Plan.from_json(plan.to_json())  # as the hosts get it
+    traced = []
+    monkeypatch.setattr(jax, "eval_shape", lambda *a, **k: traced.append(a))
+    step = plan.jit(program.step, (state, batch), devices8, carry={0: 0}, donate_argnums=(0,))
+    compiled = step.lower(state, batch).compile()
+    assert not traced
+    state_out, metrics_out = compiled.output_shardings
+    mesh = plan.bind(devices8)
+    assert jax.tree.leaves(state_out) == jax.tree.leaves(plan.shardings(mesh, state, argnum=0))
+    assert all(s.spec == P() for s in jax.tree.leaves(metrics_out))
