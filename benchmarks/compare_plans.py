@@ -14,7 +14,7 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, sys.argv[1])
     from examples.targets import TARGETS
-    from partitioner.automap import search
+    from partitioner.search import search
 
     for name, make in TARGETS.items():
         step, args = make()

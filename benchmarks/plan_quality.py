@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     from examples.targets import TARGETS
     from partitioner import verify
-    from partitioner.automap import search
+    from partitioner.search import search
 
     rows = []
     for name, make in TARGETS.items():

@@ -75,8 +75,8 @@ def hand_plans(fn, args):
 def main() -> None:
     from examples.targets import TARGETS
     from partitioner import verify
-    from partitioner.automap import search
     from partitioner.hardware import profile
+    from partitioner.search import search
 
     hw = profile("h100")
     names = sys.argv[1:] or ["mlp-small-weights", "mlp-4k", "gpt-example", "gpt-d8192", "llama-gqa-swiglu", "moe-8x"]

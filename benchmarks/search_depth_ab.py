@@ -21,7 +21,7 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, root)
     from examples.targets import gpt
-    from partitioner.automap import search
+    from partitioner.search import search
 
     models = {layers: gpt(12288, 96, 49152, 50257, 2048, layers, 128) for layers in (12, 96)}
     runs: dict[int, list[tuple[float, ...]]] = {12: [], 96: []}

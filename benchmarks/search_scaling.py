@@ -44,7 +44,7 @@ CASES = [
 
 def main() -> None:
     from examples.targets import gpt
-    from partitioner.automap import search
+    from partitioner.search import search
 
     for layers, devices, level, scan in CASES:
         step, args = gpt(12288, 96, 49152, 50257, 2048, layers, 128, scan=scan)

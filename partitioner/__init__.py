@@ -1,39 +1,44 @@
-"""remesh.partitioner: plans a single-device JAX function onto a mesh of devices.
+"""partitioner: plans a single-device JAX function onto a mesh of devices.
 
     plan = partitioner.plan(step, state, batch, devices=8, hardware="h100", level="fast")
     mesh = plan.bind(jax.devices())
 
 Plans are data (`Plan.to_json`/`from_json`), computed against an abstract mesh and bound last.
-`plan` searches the program's folded factor graph (`automap.py`); `search` returns every
-candidate priced as well; `plan_by_shapes` is the shapes-only baseline. `verify(plan, fn, *args)`
-compiles a plan and reports the collectives XLA inserted.
+`plan` searches the program's folded factor graph (`search.py`; its `search` also returns every
+candidate priced); `plan_by_shapes` is the shapes-only baseline (`shapes.py`). `verify(plan, fn,
+*args)` compiles a plan and reports the collectives XLA inserted.
+
+Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, factors from
+`rules`), `replay` and `repeats` (repeated layers), `fold` (one copy of each), `propagate`,
+`cost` and `memory` (pricing), `tactics` and `exact` (candidates), `search`, `plan`, `verify`.
 """
 
-from .automap import LEVELS, TACTICS, Candidate, plan, search
+from .errors import PlanInputError, PlanMemoryError
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
 from .plan import Cost, Plan, PlanMismatchError
-from .search import PlanInputError, PlanMemoryError, plan_by_shapes
+from .search import LEVELS, plan
+from .shapes import plan_by_shapes
+from .tactics import TACTICS, Candidate
 from .verify import Collective, Verification, VerifyDevicesError, verify
 
 __all__ = [
+    "Candidate",
+    "Collective",
     "Cost",
     "Hardware",
+    "LEVELS",
     "Link",
     "PROFILES",
     "Plan",
     "PlanInputError",
     "PlanMemoryError",
     "PlanMismatchError",
+    "TACTICS",
     "UnknownHardwareError",
+    "Verification",
+    "VerifyDevicesError",
     "plan",
     "plan_by_shapes",
     "profile",
-    "search",
-    "Candidate",
-    "LEVELS",
-    "TACTICS",
-    "Collective",
-    "Verification",
-    "VerifyDevicesError",
     "verify",
 ]

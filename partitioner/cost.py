@@ -13,7 +13,6 @@ most `devices_per_host` devices.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -22,31 +21,17 @@ import numpy as np
 
 from . import memory
 from .hardware import Hardware, latency_steps
-from .ir import ELEMENTWISE, Graph
+from .ir import Graph
+from .plan import Cost
 from .propagate import Propagation
 
 if TYPE_CHECKING:
     from .fold import Fold
 
 
-@dataclasses.dataclass(frozen=True)
-class GraphCost:
-    compute_seconds: float
-    communication_seconds: float
-    collective_bytes: Mapping[str, int]  # kind -> bytes sent per device per call
-    peak_bytes_per_device: int
-
-    @property
-    def total_seconds(self) -> float:
-        return self.compute_seconds + self.communication_seconds
-
-
-FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota"}
-
-
 def estimate(
     graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware, fold: Fold | None = None
-) -> GraphCost:
+) -> Cost:
     """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled)."""
     if fold is not None:
         graph, mult, mat = fold.graph, fold.mult, fold.materialized
@@ -56,7 +41,7 @@ def estimate(
             "price it through its fold, `estimate(fold.graph, prop, mesh, hw, fold)`, or capture it with compact=False"
         )
     else:
-        mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], materialized(graph)
+        mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], memory.materialized(graph)
     compute = sum(
         m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie"
     )
@@ -94,7 +79,7 @@ def estimate(
         )
     else:
         peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
-    return GraphCost(compute, comm, sent, peak)
+    return Cost(compute, comm, sent, peak)
 
 
 COMBINE_BYTES = 32 << 20  # about what XLA's all-reduce combiner packs into one collective
@@ -118,65 +103,12 @@ def _off_the_matmul_path(graph: Graph) -> set[int]:
     return {v for op in graph.ops for v in op.results if v not in feeds}
 
 
-def materialized(graph: Graph) -> set[int]:
-    """Values that reach memory: inputs, outputs, whatever a non-fusible op makes or reads, and
-    values read more than once unless cheap to recompute. XLA fuses chains of elementwise ops (an
-    optimizer update is one kernel), so a value passed once inside such a chain costs no memory
-    traffic or space; a cheap elementwise value (no transcendental, no division) read by several
-    fusions is recomputed in each of them from what they already read, as XLA duplicates cheap
-    producers into their consumers; an expensive one read twice is kept."""
-    return set(np.flatnonzero(materialized_mask(graph)).tolist())
-
-
-def materialized_mask(graph: Graph, table: memory.Table | None = None) -> np.ndarray:
-    """`materialized` as a mask over value ids, on the unrolled program (`memory.table`)."""
-    t = table if table is not None else memory.table(graph)
-    nv = len(graph.values)
-    out = np.zeros(nv + 1, dtype=bool)  # (the last slot takes literals, -1)
-    out[graph.inputs] = True
-    out[[v for v in graph.outputs if v >= 0]] = True
-    kind = np.array(
-        [0 if op.primitive not in FUSIBLE else 1 if op.primitive in EXPENSIVE else 2 for op in graph.ops], dtype=np.int8
-    )[t.source]
-    out[t.reads[kind[t.read_row] == 0]] = True
-    out[t.makes[kind[t.make_row] == 0]] = True
-    consumers = np.bincount(t.reads[t.reads >= 0], minlength=nv)
-    cheap = np.zeros(nv, dtype=bool)
-    cheap[t.makes[kind[t.make_row] == 2]] = True
-    out = out[:nv]
-    return out | ((consumers > 1) & ~cheap)
-
-
-EXPENSIVE = {
-    "exp",
-    "exp2",
-    "log",
-    "log1p",
-    "expm1",
-    "tanh",
-    "logistic",
-    "sin",
-    "cos",
-    "tan",
-    "erf",
-    "erfc",
-    "erf_inv",
-    "pow",
-    "sqrt",
-    "rsqrt",
-    "cbrt",
-    "div",
-    "rem",
-    "atan2",
-}
-
-
 def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, materialized: set[int]) -> float:
     axes = {a for assigned in prop.factor_axes[op.id].values() for a in assigned}
     shards = math.prod(mesh[a] for a in axes)
     flops = op.flops / shards
     values = op.operands + op.results
-    if op.primitive in FUSIBLE:
+    if op.primitive in memory.FUSIBLE:
         values = tuple(v for v in values if v in materialized)
     moved = sum(_device_bytes(graph, v, prop, mesh) for v in values if v >= 0)
     seconds = max(flops / hardware.peak_flops, moved / hardware.memory_bandwidth)

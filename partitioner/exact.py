@@ -10,6 +10,9 @@ solved by HiGHS (Alpa's formulation, over TAP's folded graph).
 
 `k_best` yields the optimum, then the optimum with each earlier answer cut off (a no-good cut per
 answer), so a caller can price a few of the best exactly and keep the one that truly wins.
+`solved` is the thorough level's use of it: on the meshes whose best tactic is cheapest, every
+weight of the folded graph gets an option (replicated, or one dimension over model), costs
+measured by propagation around the tactic's plan.
 """
 
 from __future__ import annotations
@@ -19,6 +22,19 @@ import dataclasses
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+
+from .hardware import Hardware
+from .tactics import (
+    Candidate,
+    Inputs,
+    Weight,
+    add_fsdp,
+    batch_shardings,
+    priced,
+    split_over,
+    state_values,
+    weights_in_order,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +108,115 @@ def _stdout_to_devnull():
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+# -- the thorough level's driver: the solver around the tactics' best plans ------------------
+
+REFINED_MESHES = 4  # thorough: meshes the exact solver refines, best tactic first
+
+
+K_BEST = 3  # the solver's best answers priced exactly, per mesh
+
+
+ROUNDS = 2  # re-linearisations around an improved answer, per mesh
+
+
+def solved(inputs: Inputs, candidates: list[Candidate], hw: Hardware, limit: int) -> list[Candidate]:
+    """The exact level on the meshes whose best tactic is cheapest (Rhino: the coarse level
+    narrows where the fine one searches), starting from that tactic's plan."""
+    by_mesh: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        by_mesh.setdefault(tuple(c.mesh.items()), []).append(c)
+
+    def best(cs):
+        fitting = [c for c in cs if c.cost.peak_bytes_per_device <= limit]
+        return (
+            min(fitting, key=lambda c: c.cost.total_seconds)
+            if fitting
+            else min(cs, key=lambda c: c.cost.peak_bytes_per_device)
+        )
+
+    def rank(cs):
+        b = best(cs)
+        return (b.cost.peak_bytes_per_device > limit, b.cost.total_seconds)
+
+    meshes = sorted((k for k in by_mesh if dict(k)["model"] > 1), key=lambda k: rank(by_mesh[k]))[:REFINED_MESHES]
+    return [c for k in meshes for c in _solve_mesh(inputs, dict(k), hw, limit, best(by_mesh[k]))]
+
+
+def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, start: Candidate) -> list[Candidate]:
+    """Every weight of the folded graph gets an option: replicated, or one dimension over model.
+    Around a reference plan (first the best tactic's), a plan's cost is modelled as the
+    reference's, plus each weight's own change, plus a correction for each pair of weights next
+    to each other in program order (and the last with the first: the next layer's), all measured
+    by propagation; the ILP's best answers are priced exactly, and the best of them becomes the
+    next reference while it improves (at most ROUNDS times). Each answer is also priced with FSDP."""
+    g, t = inputs.graph, mesh["model"]
+    batch = batch_shardings(inputs, mesh)
+    found = weights_in_order(inputs)
+    options = [[None] + [d for d, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
+    name = "exact" + ("+sequence" if mesh["seq"] > 1 else "")
+    cache: dict[tuple, Candidate] = {}
+
+    def price(choice: Sequence[int]) -> Candidate:
+        key = tuple(choice)
+        if key not in cache:
+            ann = {
+                w.value: w.sharding(split_over(w.shape(g), opts[o], "model"))
+                for w, opts, o in zip(found, options, key)
+                if o
+            }
+            cache[key] = priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
+        return cache[key]
+
+    def option_of(w: Weight, opts: list) -> int:
+        given = w.operand_sharding(start.annotations.get(w.value, ()))
+        dims = [d for d, axes in enumerate(given) if "model" in axes]
+        return opts.index(dims[0]) if dims and dims[0] in opts else 0
+
+    ref = tuple(option_of(w, opts) for w, opts in zip(found, options))
+    out = []
+    for _ in range(ROUNDS):
+        answers = [price(choice) for choice in k_best(_linearised(price, ref, options, limit), K_BEST)]
+        out += answers
+        fitting = [a for a in answers if a.cost.peak_bytes_per_device <= limit]
+        better = min(fitting, key=lambda a: a.cost.total_seconds, default=None)
+        if better is None or better.cost.total_seconds >= price(ref).cost.total_seconds:
+            break
+        ref = next(k for k, c in cache.items() if c is better)
+    if mesh["data"] > 1:
+        state = state_values(inputs)
+        for c in list(out):
+            tp = {w.value: c.annotations[w.value] for w in found if w.value in c.annotations}
+            out.append(
+                priced(inputs, name + "+fsdp", mesh, {**batch, **add_fsdp(g, tp, state, mesh["data"])}, hw, batch)
+            )
+    return out
+
+
+def _linearised(price, ref: tuple[int, ...], options: list[list], limit: int) -> PairwiseProblem:
+    base = price(ref)
+    sec = lambda c: c.cost.total_seconds / base.cost.total_seconds - 1.0
+    mem = lambda c: (c.cost.peak_bytes_per_device - base.cost.peak_bytes_per_device) / limit
+    moved = lambda changes: price(tuple(changes.get(i, o) for i, o in enumerate(ref)))
+    n = len(ref)
+    unary = [[0.0 if o == ref[i] else sec(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
+    unary_mem = [[0.0 if o == ref[i] else mem(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
+    pair, pair_mem = {}, {}
+    for i, j in [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else []):
+        both = lambda o, p: o != ref[i] and p != ref[j]  # noqa: B023 (called within the iteration)
+        pair[(i, j)] = [
+            [
+                sec(moved({i: o, j: p})) - unary[i][o] - unary[j][p] if both(o, p) else 0.0
+                for p in range(len(options[j]))
+            ]
+            for o in range(len(options[i]))
+        ]
+        pair_mem[(i, j)] = [
+            [
+                mem(moved({i: o, j: p})) - unary_mem[i][o] - unary_mem[j][p] if both(o, p) else 0.0
+                for p in range(len(options[j]))
+            ]
+            for o in range(len(options[i]))
+        ]
+    return PairwiseProblem(unary, pair, unary_mem, pair_mem, budget=(limit - base.cost.peak_bytes_per_device) / limit)

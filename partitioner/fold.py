@@ -26,7 +26,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from . import memory
-from .ir import Graph, Op, find_repeats, signature_ids, tie_factors
+from .ir import Graph, Op
+from .repeats import find_repeats, signature_ids
+from .rules import tie_factors
 
 MIN_PERIOD = 8  # blocks shorter than this are elementwise runs, left to duplicate folding
 

@@ -10,7 +10,7 @@ stay live until the last of them is made.
 
 Values live from the op that makes them to their last use, on the unrolled program's timeline,
 an elementwise op fused into a later kernel reading when that kernel runs; which values reach
-memory at all is `cost.materialized`. On a backend whose dot kernels cannot read a transposed lhs
+memory at all is `materialized` (XLA's fusion, below). On a backend whose dot kernels cannot read a transposed lhs
 (`Hardware.copies_transposed_lhs`, XLA:CPU) each such lhs has a transposed copy, made beside it
 and freed after its dot.
 """
@@ -23,6 +23,7 @@ from collections import Counter
 import numpy as np
 
 from .ir import FactorKind, Graph, Op
+from .rules import ELEMENTWISE
 
 CANDIDATE_TIMES = 6  # the heap peak is sought at the times most temporaries are live
 
@@ -105,7 +106,6 @@ def _replayed(graph: Graph, c, first_time: int, first_row: int) -> tuple:
 
 
 def liveness(graph: Graph) -> Liveness:
-    from .cost import materialized_mask
 
     t = table(graph)
     mat = materialized_mask(graph, t)
@@ -154,7 +154,6 @@ def _read_in_kernel(graph: Graph, t: Table, mat: np.ndarray, death: np.ndarray) 
     reach memory runs inside the fusion that makes the first materialized value downstream, so
     what it reads lives until then (XLA computes a GELU's gradient in one kernel that reads the
     pre-activation, the tanh and the incoming gradient)."""
-    from .cost import FUSIBLE
 
     fusible = np.array([op.primitive in FUSIBLE for op in graph.ops], dtype=bool)[t.source]
     stored = np.zeros(len(t.time), dtype=bool)
@@ -239,3 +238,61 @@ def _hosted(temps: np.ndarray, buffers: np.ndarray) -> float:
                 count -= used
                 hosted += used * size
     return hosted
+
+
+# -- fusion: which values reach memory at all -------------------------------------------------
+
+FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota"}
+
+
+def materialized(graph: Graph) -> set[int]:
+    """Values that reach memory: inputs, outputs, whatever a non-fusible op makes or reads, and
+    values read more than once unless cheap to recompute. XLA fuses chains of elementwise ops (an
+    optimizer update is one kernel), so a value passed once inside such a chain costs no memory
+    traffic or space; a cheap elementwise value (no transcendental, no division) read by several
+    fusions is recomputed in each of them from what they already read, as XLA duplicates cheap
+    producers into their consumers; an expensive one read twice is kept."""
+    return set(np.flatnonzero(materialized_mask(graph)).tolist())
+
+
+def materialized_mask(graph: Graph, rows: Table | None = None) -> np.ndarray:
+    """`materialized` as a mask over value ids, on the unrolled program (`table`)."""
+    t = rows if rows is not None else table(graph)
+    nv = len(graph.values)
+    out = np.zeros(nv + 1, dtype=bool)  # (the last slot takes literals, -1)
+    out[graph.inputs] = True
+    out[[v for v in graph.outputs if v >= 0]] = True
+    kind = np.array(
+        [0 if op.primitive not in FUSIBLE else 1 if op.primitive in EXPENSIVE else 2 for op in graph.ops], dtype=np.int8
+    )[t.source]
+    out[t.reads[kind[t.read_row] == 0]] = True
+    out[t.makes[kind[t.make_row] == 0]] = True
+    consumers = np.bincount(t.reads[t.reads >= 0], minlength=nv)
+    cheap = np.zeros(nv, dtype=bool)
+    cheap[t.makes[kind[t.make_row] == 2]] = True
+    out = out[:nv]
+    return out | ((consumers > 1) & ~cheap)
+
+
+EXPENSIVE = {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "tan",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "div",
+    "rem",
+    "atan2",
+}

@@ -26,7 +26,8 @@ import dataclasses
 import math
 from collections.abc import Collection, Mapping
 
-from .ir import ELEMENTWISE, FactorKind, Graph, Op
+from .ir import FactorKind, Graph, Op
+from .rules import ELEMENTWISE
 
 Sharding = tuple[tuple[str, ...], ...]
 

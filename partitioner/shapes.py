@@ -8,7 +8,7 @@ then plain data parallelism if the replicated state fits the memory limit, else 
 degree that fits; the notes say what was given up and why. The cost is predicted, not searched.
 
 This is deliberately simple: it reads shapes, not the computation. `partitioner.plan` is the full
-search (`automap.py`); this one stays as `plan_by_shapes`, a baseline and a job file's
+search (`search.py`); this one stays as `plan_by_shapes`, a baseline and a job file's
 `planner = "shapes"`.
 """
 
@@ -20,19 +20,13 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .arguments import abstract_leaf
+from .arguments import batch_argnums as batch_argnums_of
+from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, latency_steps, profile
 from .plan import Cost, Plan
-
-
-class PlanMemoryError(MemoryError):
-    """No usable mesh fits the memory limit."""
-
-
-class PlanInputError(ValueError):
-    """The arguments do not describe a plannable program."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +56,9 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
         raise PlanInputError(f"devices must be at least 1, got {n}")
     hw = profile(hardware)
     limit = int(memory_limit or hw.memory_bytes)
-    abstract = tuple(jax.tree.map(_abstract, a) for a in args)
+    abstract = tuple(jax.tree.map(abstract_leaf, a) for a in args)
     out = jax.eval_shape(fn, *abstract)
-    batch_argnums = _batch_argnums(abstract, out) if batch_argnums is None else tuple(batch_argnums)
+    batch_argnums = batch_argnums_of(abstract, out) if batch_argnums is None else tuple(batch_argnums)
     batch_dim = _batch_size(abstract, batch_argnums)
     flops = _flops(fn, abstract)
 
@@ -114,25 +108,6 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
         devices=n,
         notes=tuple(notes),
     )
-
-
-def _abstract(x):
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-
-def _batch_argnums(abstract, out) -> tuple[int, ...]:
-    """Arguments that are not carried state. A training step returns its new state first, so an
-    argument with the same tree and shapes as the first output is state; the rest are batch."""
-    carried = out[0] if isinstance(out, tuple) and out else out
-    state = {i for i, a in enumerate(abstract) if _signature(a) == _signature(carried)}
-    batch = tuple(i for i in range(len(abstract)) if i not in state)
-    if not batch:
-        raise PlanInputError("could not tell the batch argument from the state: pass batch_argnums=")
-    return batch
-
-
-def _signature(tree):
-    return jax.tree.structure(tree), [(l.shape, l.dtype) for l in jax.tree.leaves(tree)]
 
 
 def _batch_size(abstract, batch_argnums) -> int:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from examples.residual_mlp import residual_mlp
 from partitioner import PlanMemoryError, verify
-from partitioner.automap import search
+from partitioner.search import search
 
 pytestmark = pytest.mark.fake_devices
 
@@ -200,8 +200,9 @@ def test_megatron_sees_through_master_weight_casts_and_splits_heads_of_multi_axi
 
 
 def plan_for(candidate, fn, args):
-    from partitioner import automap
+    from partitioner import profile
+    from partitioner.search import _to_plan
+    from partitioner.tactics import read_inputs
 
-    inputs = automap._inputs(fn, args, None)
-    hw = automap.profile("h100")
-    return automap._to_plan(inputs, candidate, args, 8, 0.0, [candidate], hw.memory_bytes, hw)
+    hw = profile("h100")
+    return _to_plan(read_inputs(fn, args, None), candidate, args, 8, 0.0, [candidate], hw.memory_bytes, hw)

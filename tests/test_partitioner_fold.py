@@ -5,18 +5,19 @@ folded graph gives what pricing the unrolled one gives."""
 import pytest
 
 from examples.targets import gpt, mlp
-from partitioner.automap import _inputs, search
+from partitioner.capture import capture
 from partitioner.cost import estimate
 from partitioner.hardware import profile
-from partitioner.ir import capture
 from partitioner.propagate import propagate
+from partitioner.search import search
+from partitioner.tactics import read_inputs
 
 pytestmark = pytest.mark.unit
 
 
 def folded_ops(layers):
     step, args = gpt(256, 4, 1024, 512, 64, layers, 8)
-    inputs = _inputs(step, args, None)
+    inputs = read_inputs(step, args, None)
     return len(inputs.graph.ops), inputs.fold.original_ops
 
 
@@ -30,7 +31,7 @@ def test_folded_pricing_matches_the_unrolled_graph():
     h100 = profile("h100")
     step, args = mlp(1024, 4096, 4, 4096)
     graph = capture(step, *args)
-    inputs = _inputs(step, args, None)
+    inputs = read_inputs(step, args, None)
     leaves = graph.inputs[len(graph.inputs) - len(inputs.keys) :]
     mesh = {"data": 2, "seq": 1, "model": 4}
     w1 = [v for v, k in zip(leaves, inputs.keys) if k[:1] == ("params",) and k[-1] == "w1"]
@@ -52,7 +53,7 @@ def test_folded_pricing_matches_the_unrolled_graph():
 
 def test_mirrored_optimizer_state_joins_its_parameters_class():
     step, args = gpt(256, 4, 1024, 512, 64, 3, 8)
-    inputs = _inputs(step, args, None)
+    inputs = read_inputs(step, args, None)
     by_key = dict(zip(inputs.keys, inputs.ids))
     mu = [by_key[("opt", "0", "mu", "layers", str(i), "attn", "wq")] for i in range(3)]
     assert len(set(mu)) == 1

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from examples.targets import TARGETS
-from partitioner.automap import search
+from partitioner.search import search
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from partitioner.ir import FactorKind, capture, find_repeats
+from partitioner.capture import capture
+from partitioner.ir import FactorKind
+from partitioner.repeats import find_repeats
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from partitioner.ir import capture
+from partitioner.capture import capture
 from partitioner.propagate import propagate
 
 pytestmark = pytest.mark.unit

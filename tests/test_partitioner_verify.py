@@ -6,9 +6,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from partitioner import Cost, Plan, verify
+from partitioner.capture import capture
 from partitioner.cost import estimate
 from partitioner.hardware import profile
-from partitioner.ir import capture
 from partitioner.propagate import propagate
 from partitioner.verify import parse_collectives
 
@@ -179,7 +179,7 @@ def test_a_data_parallel_gelu_mlp_peaks_where_xla_cpu_lays_it_out(devices8):
     gradient, so all three live until it runs; and XLA:CPU copies a weight gradient's x^T
     operand transposed beside x, which cuBLAS would not."""
     from examples.targets import mlp
-    from partitioner.automap import search
+    from partitioner.search import search
 
     step, args = mlp(64, 256, 2, 4096)
     plan, _ = search(step, *args, devices=8, hardware="h100", tactics=("dp",), compile_check=False)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.fake_devices
 
 def spec(tmp_path, devices, steps, planner="shapes", program_ref="examples.gpt.model:program", global_batch=24):
     from orchestrator import load_program
-    from partitioner.automap import search
+    from partitioner.search import search
 
     program = load_program(program_ref)
     state, batch = check_program(program, global_batch)

@@ -1,0 +1,454 @@
+"""Tactics over the folded factor graph: on each mesh, each tactic annotates a few inputs (the
+batch, some weights), propagation shards everything else, and the cost model prices the result
+(`Candidate`); `refined` improves the best of them one weight at a time.
+
+Meshes are every factoring of the devices (and of the most devices the batch divides, 6 of 7 for
+a batch of 24) into (data, seq, model); `data` must divide the batch and `seq` the sequence
+dimension of every batch leaf that has one.
+
+Tactics, on each mesh:
+    dp        batch over data (and its sequence dimension over seq), state replicated
+    fsdp      dp, and every state leaf sharded over data on its largest dimension that divides
+    megatron  each matmul weight, in program order, split over model on its major output dimension
+              (column-parallel) unless the activation it multiplies already arrives split along
+              the contracted dimension, then on that one (row-parallel): Megatron's alternation,
+              read from the graph rather than from layer names
+    megatron+fsdp  both, the weights' other dimension over data
+    expert    weights whose leading dimension is a batch factor of their matmul (stacked experts)
+              split over model on it, the rest replicated (expert x data parallelism)
+    expert+megatron  experts so, the other weights as Megatron splits them (and +fsdp)
+    refined   the best tensor-parallel candidates, each weight's split chosen by price in turn
+On a mesh with seq > 1 every tactic is also sequence (context) parallel: activations are split
+along the sequence, and attention gathers keys and values, as propagation finds.
+Optimizer state follows its parameter (same shape, same path below its container).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import jax
+
+from .arguments import abstract_leaf, key_name
+from .arguments import batch_argnums as batch_argnums_of
+from .capture import capture
+from .cost import estimate
+from .errors import PlanInputError
+from .fold import Fold, fold
+from .hardware import Hardware
+from .ir import FactorKind, Graph, Op
+from .plan import Cost
+from .propagate import Propagation, Sharding, propagate
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    tactic: str
+    mesh: Mapping[str, int]
+    annotations: Mapping[int, Sharding]
+    cost: Cost
+    propagation: Propagation = dataclasses.field(repr=False, compare=False)
+
+    def line(self) -> str:
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        c = self.cost
+        return (
+            f"{self.tactic:<14} {mesh:<18} {c.total_seconds * 1e3:9.3f} ms  (compute {c.compute_seconds * 1e3:.3f}, "
+            f"comm {c.communication_seconds * 1e3:.3f})  peak {c.peak_bytes_per_device / 2**30:.2f} GiB/device"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    fold: Fold
+    ids: list[int]  # representative value id per argument leaf
+    keys: list[tuple[str, ...]]  # each leaf's key path inside its argument
+    argnum: list[int]
+    batch_argnums: tuple[int, ...]
+    seconds: tuple[float, float] = (0.0, 0.0)  # capture, fold
+
+    @property
+    def graph(self) -> Graph:  # folded: one copy of each repeated layer
+        return self.fold.graph
+
+    @functools.cached_property
+    def mirror_keys(self) -> tuple[list, list]:
+        """Per leaf, what `_mirror_optimizer_state` looks up (built once: a deep model has ~10^4
+        leaves and every candidate mirrors): (value, its key below its container), and for the
+        leaves outside the batch, (value, each tail of its path, longest first)."""
+        shape = lambda v: self.graph.values[v].shape
+        below = [(v, (shape(v), keys[1:])) for v, keys in zip(self.ids, self.keys)]
+        tails = [
+            (v, [(shape(v), keys[-n:]) for n in range(len(keys), 0, -1)])
+            for v, keys, a in zip(self.ids, self.keys, self.argnum)
+            if a not in self.batch_argnums
+        ]
+        return below, tails
+
+
+TACTICS = (
+    "dp",
+    "fsdp",
+    "megatron",
+    "megatron+fsdp",
+    "expert",
+    "expert+megatron",
+    "expert+megatron+fsdp",
+    "refined",
+    "exact",
+)
+
+
+def read_inputs(fn, args, batch_argnums) -> Inputs:
+    t0 = time.perf_counter()
+    abstract = tuple(jax.tree.map(abstract_leaf, a) for a in args)
+    graph = capture(fn, *abstract, compact=True)  # the only trace of fn: its output shapes come with the graph
+    if batch_argnums is None:
+        batch_argnums = batch_argnums_of(abstract, graph.out_shape)
+    argnum, keys = [], []
+    for i, a in enumerate(abstract):
+        for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
+            argnum.append(i)
+            keys.append(tuple(key_name(k) for k in p))
+    consts = len(graph.inputs) - len(keys)
+    leaves = graph.inputs[consts:]
+    t1 = time.perf_counter()
+    folded = fold(graph, keys, leaves)
+    seconds = (t1 - t0, time.perf_counter() - t1)
+    return Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
+
+
+def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[dict[str, int]]:
+    """(data, seq, model) factorizations of all the devices, and of the most devices whose count
+    the batch divides (6 of 7 for a batch of 24). `data` must divide the batch and `seq` every
+    batch leaf's sequence. The fast level keeps to meshes without seq and with model within a
+    host (`fast_mesh`), except where none of those uses every device (a batch of 64 on 1,024):
+    then it also prices all-device meshes with the two largest data axes the batch allows, the
+    rest of the devices over seq and model, so a plan uses the cluster wherever that is cheaper."""
+    leaves = [
+        inputs.graph.values[v].shape
+        for v, a in zip(inputs.ids, inputs.argnum)
+        if a in inputs.batch_argnums and inputs.graph.values[v].shape
+    ]
+    if not leaves:
+        raise PlanInputError("no batch argument found: pass batch_argnums=... naming the arguments that hold the batch")
+    divides = lambda d: all(s[0] % d == 0 for s in leaves)
+    seq_divides = lambda q: any(len(s) >= 2 for s in leaves) and all(s[1] % q == 0 for s in leaves if len(s) >= 2)
+    counts = [devices] + [next((m for m in range(devices - 1, 0, -1) if divides(m)), 1)]
+    valid = {
+        m: [
+            {"data": m // t // q, "seq": q, "model": t}
+            for t in divisors(m)
+            for q in divisors(m // t)
+            if divides(m // t // q) and (q == 1 or seq_divides(q))
+        ]
+        for m in dict.fromkeys(counts)
+    }
+    if level != "fast":
+        return [mesh for meshes in valid.values() for mesh in meshes]
+    out = [mesh for meshes in valid.values() for mesh in meshes if fast_mesh(mesh, hw)]
+    if not any(math.prod(mesh.values()) == devices for mesh in out):
+        largest = sorted({mesh["data"] for mesh in valid[devices]}, reverse=True)[:2]
+        out += [mesh for mesh in valid[devices] if mesh["data"] in largest]
+    return out
+
+
+def fast_mesh(mesh: Mapping[str, int], hw: Hardware) -> bool:
+    """A mesh the fast level searches: no seq axis, model within one host's fast links."""
+    fast_model = hw.devices_per_host if hw.inter.bandwidth < hw.intra.bandwidth else 16
+    return mesh["seq"] == 1 and mesh["model"] <= fast_model
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def batch_shardings(inputs: Inputs, mesh: Mapping[str, int]) -> dict[int, Sharding]:
+    g, out = inputs.graph, {}
+    for v, a in zip(inputs.ids, inputs.argnum):
+        shape = g.values[v].shape
+        if a in inputs.batch_argnums and shape:
+            split = [("data",) if mesh["data"] > 1 else ()] + [()] * (len(shape) - 1)
+            if mesh["seq"] > 1 and len(shape) >= 2:
+                split[1] = ("seq",)
+            if any(split):
+                out[v] = tuple(split)
+    return out
+
+
+def state_values(inputs: Inputs) -> list[int]:
+    return list(dict.fromkeys(v for v, a in zip(inputs.ids, inputs.argnum) if a not in inputs.batch_argnums))
+
+
+def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candidate]:
+    g = inputs.graph
+    batch = batch_shardings(inputs, mesh)
+    state = state_values(inputs)
+    plans = {}
+    if mesh["model"] == 1:  # a model axis no weight uses would only repeat the same work
+        plans["dp"] = dict(batch)
+        if mesh["data"] > 1:
+            plans["fsdp"] = {**batch, **{v: s for v in state if (s := fsdp(g.values[v].shape, mesh["data"]))}}
+    else:
+        tp = _megatron(inputs, mesh, batch)
+        plans["megatron"] = {**batch, **tp}
+        if mesh["data"] > 1:
+            plans["megatron+fsdp"] = {**batch, **add_fsdp(g, tp, state, mesh["data"])}
+        ep = _experts(inputs, mesh)
+        if ep:
+            plans["expert"] = {**batch, **ep}
+            em = _megatron(inputs, mesh, batch, preset=ep)
+            plans["expert+megatron"] = {**batch, **em}
+            if mesh["data"] > 1:
+                plans["expert+megatron+fsdp"] = {**batch, **add_fsdp(g, em, state, mesh["data"])}
+    out = []
+    for name, chosen_specs in plans.items():
+        if mesh["model"] > 1 and not any("model" in axes for sh in chosen_specs.values() for axes in sh):
+            continue  # the tactic found nothing to split: the model axis would only repeat work
+        out.append(priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen_specs, hw, batch))
+    return out
+
+
+def priced(
+    inputs: Inputs,
+    name: str,
+    mesh: Mapping[str, int],
+    annotations: Mapping[int, Sharding],
+    hw: Hardware,
+    batch: Mapping[int, Sharding],
+) -> Candidate:
+    """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
+    batch first, and priced."""
+    annotations = _mirror_optimizer_state(inputs, annotations)
+    prop = propagate(inputs.graph, annotations, mesh, first=batch)
+    return Candidate(name, dict(mesh), annotations, estimate(inputs.graph, prop, mesh, hw, inputs.fold), prop)
+
+
+def refined(inputs: Inputs, candidates: list[Candidate], hw: Hardware, limit: int) -> list[Candidate]:
+    """The best tensor-parallel candidates that fit, improved one weight at a time: each matmul
+    weight in program order tries every split over model (and none), priced, and keeps the
+    cheapest that fits. The tactics read Megatron's alternation from the graph; where a program
+    breaks it (a fused QKV projection cut by `jnp.split`, a router beside the experts), this is
+    what finds the split an engineer would choose. On each of the REFINED_TP best meshes, from
+    its best candidate without FSDP and its best with (FSDP kept on every trial)."""
+    tp = sorted(
+        (c for c in candidates if c.mesh["model"] > 1 and c.cost.peak_bytes_per_device <= limit),
+        key=lambda c: c.cost.total_seconds,
+    )
+    starts: dict[tuple, Candidate] = {}
+    for pool in (tp, [c for c in tp if fast_mesh(c.mesh, hw)]):  # (thorough: what fast refines too)
+        meshes = list(dict.fromkeys(tuple(c.mesh.items()) for c in pool))[:REFINED_TP]
+        for c in pool:
+            if tuple(c.mesh.items()) in meshes:
+                starts.setdefault((tuple(c.mesh.items()), "fsdp" in c.tactic), c)
+    return [_refine(inputs, c, hw, limit, fsdp) for (_, fsdp), c in starts.items()]
+
+
+REFINED_TP = 2  # meshes whose best tensor-parallel candidates are refined
+
+
+def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bool) -> Candidate:
+    mesh, g = dict(start.mesh), inputs.graph
+    batch, state = batch_shardings(inputs, mesh), state_values(inputs)
+    name = "refined" + ("+fsdp" if fsdp else "") + ("+sequence" if mesh["seq"] > 1 else "")
+    model_only = lambda sh: tuple(tuple(a for a in axes if a == "model") for axes in sh)
+    weights = weights_in_order(inputs)
+    chosen = {w.value: model_only(start.annotations[w.value]) for w in weights if w.value in start.annotations}
+    chosen = {v: sh for v, sh in chosen.items() if any(sh)}
+
+    def price(tp):
+        ann = add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp
+        return priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
+
+    best = price(chosen)
+    for w in weights:
+        shape = w.shape(g)
+        for d in [None] + [d for d, n in enumerate(shape) if n % mesh["model"] == 0 and n >= mesh["model"]]:
+            trial = {k: v for k, v in chosen.items() if k != w.value}
+            if d is not None:
+                trial[w.value] = w.sharding(split_over(shape, d, "model"))
+            if trial == chosen:
+                continue
+            c = price(trial)
+            if c.cost.peak_bytes_per_device <= limit and c.cost.total_seconds < best.cost.total_seconds:
+                best, chosen = c, trial
+    return best
+
+
+def split_over(shape, dim: int, axis: str) -> Sharding:
+    return tuple((axis,) if i == dim else () for i in range(len(shape)))
+
+
+def fsdp(shape, d: int) -> Sharding | None:
+    dims = [i for i, s in enumerate(shape) if s % d == 0 and s >= d]
+    if not dims:
+        return None
+    i = max(dims, key=lambda k: shape[k])
+    return tuple(("data",) if k == i else () for k in range(len(shape)))
+
+
+def add_fsdp(g: Graph, tp: Mapping[int, Sharding], state: list[int], d: int) -> dict[int, Sharding]:
+    out = dict(tp)
+    for v in state:
+        shape = g.values[v].shape
+        current = list(tp.get(v, ((),) * len(shape)))
+        free = [i for i in range(len(shape)) if not current[i] and shape[i] % d == 0 and shape[i] >= d]
+        if free:
+            i = max(free, key=lambda k: shape[k])
+            current[i] = ("data",)
+            out[v] = tuple(current)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    op: Any  # the matmul that first reads it
+    k: int  # which operand
+    value: int  # the state input
+    dims: tuple[int, ...]  # per dimension of the matmul's operand, the input's dimension it is (-1: none)
+    rank: int  # the input's
+
+    @property
+    def stacked(self) -> bool:
+        """Read one layer at a time through a scan (the input's leading dimension is the layer)."""
+        return 0 not in self.dims and self.rank > len(self.dims)
+
+    def sharding(self, per_operand: Sharding) -> Sharding:
+        """The input's sharding for a split of what the matmul reads."""
+        out = [()] * self.rank
+        for d, axes in zip(self.dims, per_operand):
+            if d >= 0:
+                out[d] = tuple(axes)
+        return tuple(out)
+
+    def operand_sharding(self, given: Sharding) -> Sharding:
+        """What the matmul reads, for a sharding of the input."""
+        return tuple(tuple(given[d]) if d >= 0 and d < len(given) else () for d in self.dims)
+
+    def shape(self, g: Graph) -> tuple[int, ...]:
+        return g.values[self.op.operands[self.k]].shape
+
+
+# Ops a weight passes through on its way to a matmul without changing what it holds: a cast (float32
+# master weights computed in bfloat16), a copy, a transpose, one layer's slice of a scanned stack.
+_CARRIES_WEIGHT = {"convert_element_type", "copy", "copy_p", "reduce_precision", "transpose", "scan_slice"}
+
+
+def _source(g: Graph, producer: Mapping[int, Op], state: Collection[int], v: int) -> tuple[int, tuple[int, ...]] | None:
+    """The state input `v` is read from, through ops that carry a weight unchanged, and per
+    dimension of `v` the input's dimension it is (by the factors each op ties them with)."""
+    rank = len(g.values[v].shape)
+    dims = tuple(range(rank))
+    while v not in state:
+        op = producer.get(v)
+        if op is None or op.primitive not in _CARRIES_WEIGHT or op.body is not None:
+            return None
+        (src, src_dims) = next(((o, d) for o, d in zip(op.operands, op.operand_dims) if o >= 0), (None, None))
+        if src is None:
+            return None
+        where = {fs[0]: i for i, fs in enumerate(src_dims) if fs}
+        res = op.result_dims[op.results.index(v)]
+        dims = tuple(where.get(res[d][0], -1) if d >= 0 and res[d] else -1 for d in dims)
+        v = src
+    return v, dims
+
+
+def weights_in_order(inputs: Inputs) -> list[Weight]:
+    """Matmul weights in program order, first use only, read directly or through a cast, a
+    transpose or a layer at a time from a scanned stack. A table read by a gather is one only
+    where a matmul reads it too (a tied embedding: its vocabulary split is the logits')."""
+    g = inputs.graph
+    state = set(state_values(inputs))
+    producer = {r: op for op in g.ops for r in op.results}
+    seen, out = set(), []
+    for op in g.ops:
+        if op.primitive != "dot_general":
+            continue
+        for k, v in enumerate(op.operands):
+            if v < 0 or len(g.values[v].shape) < 2:
+                continue
+            found = _source(g, producer, state, v)
+            if found is None or found[0] in seen:
+                continue
+            src, dims = found
+            seen.add(src)
+            out.append(Weight(op, k, src, dims, len(g.values[src].shape)))
+    return out
+
+
+def _megatron(
+    inputs: Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding], preset: Mapping[int, Sharding] | None = None
+) -> dict[int, Sharding]:
+    """Decide weights in program order, propagating after each decision; weights in `preset`
+    (stacked experts) take the sharding given there. The graph is folded, so a repeated layer's
+    weights are decided once for every copy (TAP)."""
+    g, t = inputs.graph, mesh["model"]
+    chosen: dict[int, Sharding] = {}
+    prop = propagate(g, {**batch}, mesh)
+    for weight in weights_in_order(inputs):
+        op, k, w = weight.op, weight.k, weight.value
+        if preset and w in preset:
+            chosen[w] = preset[w]
+            prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
+            continue
+        other = op.operands[1 - k]
+        w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
+        x_sharding = prop.of(other, len(g.values[other].shape)) if other >= 0 else ()
+        kind = lambda dims: op.factors[dims[0]].kind if dims else None  # noqa: B023 (called within the iteration)
+        arrives_split = any(
+            "model" in axes and kind(dims) is FactorKind.REDUCE for axes, dims in zip(x_sharding, x_dims)
+        )
+        shared = {dims[0] for dims in x_dims if dims}
+        if arrives_split:  # row-parallel: split the contracted dimension the activation is split on
+            split = {ds[0] for axes, ds in zip(x_sharding, x_dims) if "model" in axes and ds}
+            dims = [d for d, ds in enumerate(w_dims) if ds and ds[0] in split]
+        else:  # column-parallel: split an output dimension, the major one (heads, not head_dim)
+            dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
+        shape = weight.shape(g)
+        dims = [d for d in dims if shape[d] % t == 0]
+        if not dims:
+            continue
+        chosen[w] = weight.sharding(split_over(shape, dims[0], "model"))
+        prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
+    return chosen
+
+
+def _experts(inputs: Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
+    """Weights whose dimension is a batch factor (PASS, shared with the activation) of their matmul:
+    stacked experts. Split them over model along it."""
+    g, t = inputs.graph, mesh["model"]
+    out = {}
+    for weight in weights_in_order(inputs):
+        op, k = weight.op, weight.k
+        w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
+        shared = {f for dims in x_dims for f in dims[:1]}
+        shape = weight.shape(g)
+        for d, dims in enumerate(w_dims):
+            if dims and dims[0] in shared and op.factors[dims[0]].kind is FactorKind.PASS and shape[d] % t == 0:
+                out[weight.value] = weight.sharding(split_over(shape, d, "model"))
+                break
+    return out
+
+
+def _mirror_optimizer_state(inputs: Inputs, annotations: Mapping[int, Sharding]) -> dict[int, Sharding]:
+    """A state leaf with the same shape as an annotated one and the same path below its container
+    (`opt/0/mu/layer0/w1` mirrors `params/layer0/w1`) gets the same sharding."""
+    out = dict(annotations)
+    leaves, tails = inputs.mirror_keys
+    below: dict[tuple, Sharding] = {k: annotations[v] for v, k in leaves if v in annotations}
+    for v, keys in tails:
+        if v in out:
+            continue
+        hit = next((below[k] for k in keys if k in below), None)
+        if hit is not None:
+            out[v] = hit
+    return out
+
+
+def mesh_text(mesh: Mapping[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "data=1"
