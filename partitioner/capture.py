@@ -5,8 +5,9 @@ Calls (`jit`, `custom_jvp_call`, `custom_vjp_call`, `checkpoint`) are inlined. A
 once, its ops marked to run `length` times: each scanned input is read through a `scan_slice` op
 (the stacked dimension sequential, the rest passing through), each stacked output is written by a
 `scan_stack` op, and `tie` ops join a carry's initial value, its value inside the body and its
-next value, so a scanned stack of layers is one layer to propagate and plan. `while` and `cond`
-keep their bodies as sub-graphs, priced but not sharded.
+next value, so a scanned stack of layers is one layer to propagate and plan. A `cond` is inlined
+as its costliest branch (the worst case, which XLA partitions with the cond's own shardings); a
+`while` keeps its body as a sub-graph, priced but not sharded.
 
 A Python loop over layers unrolls into repeated blocks of top-level equations; capture builds two
 copies of each and replays the rest from the second (`replay`), so its time grows with depth by
@@ -127,12 +128,12 @@ class _Builder:
             if eqn.primitive.name == "scan":
                 self._scan(eqn, env)
                 continue
-            inner = _inlined_jaxpr(eqn)
+            inner, consts, invars = _inlined(eqn)
             if inner is not None:
                 sub_env = {}
-                for var, atom in zip(inner.invars, eqn.invars):
+                for var, atom in zip(inner.invars, invars):
                     sub_env[var] = self._read(env, atom)
-                for var, const in zip(inner.constvars, getattr(eqn.params.get("jaxpr"), "consts", ())):
+                for var, const in zip(inner.constvars, consts):
                     sub_env[var] = self._new_value(jcore.get_aval(const))
                 self._eqns(inner.eqns, sub_env)
                 for var, out in zip(eqn.outvars, inner.outvars):
@@ -221,8 +222,6 @@ class _Builder:
         name = eqn.primitive.name  # (a scan is inlined by `_scan`)
         if name == "while":
             return _Builder(False).build(eqn.params["body_jaxpr"].jaxpr, []), 1
-        if name == "cond":
-            return _Builder(False).build(eqn.params["branches"][0].jaxpr, []), 1
         return None, 1
 
 
@@ -260,7 +259,7 @@ def _live_ops(ops: list, outputs: list[int], compact: bool) -> tuple[list[Op], l
 def _params_free(eqn) -> bool:
     """The factor rule reads only the equation's shapes (its params only move data around)."""
     name = eqn.primitive.name
-    if name in ("scan", "while", "cond") or _inlined_jaxpr(eqn) is not None:
+    if name in ("scan", "while") or _inlined(eqn)[0] is not None:
         return False
     return RULES.get(name) in PARAMS_FREE  # (None: elementwise or opaque)
 
@@ -278,6 +277,22 @@ _CALLS = {
     "remat2",
     "custom_lin",
 }
+
+
+def _inlined(eqn):
+    """(jaxpr, its constants, the operands it reads) of an equation built inline: a call, or a
+    cond's costliest branch (most matmuls, then most equations). A cond is planned as that
+    branch, as XLA partitions every branch with the cond's own shardings: the results of an
+    optimizer step behind `optax.MultiSteps` then follow the weights."""
+    if eqn.primitive.name == "cond":
+        branches = eqn.params["branches"]
+        cost = lambda b: (sum(e.primitive.name == "dot_general" for e in b.jaxpr.eqns), len(b.jaxpr.eqns))
+        branch = max(branches, key=cost)
+        return branch.jaxpr, branch.consts, eqn.invars[1:]  # (the first operand picks the branch)
+    inner = _inlined_jaxpr(eqn)
+    if inner is None:
+        return None, (), ()
+    return inner, getattr(eqn.params.get("jaxpr"), "consts", ()), eqn.invars
 
 
 def _inlined_jaxpr(eqn):

@@ -23,7 +23,7 @@ from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import Graph
 from .plan import Cost
-from .propagate import Propagation
+from .propagate import Propagation, per_device_bytes
 
 if TYPE_CHECKING:
     from .fold import Fold
@@ -75,7 +75,7 @@ def estimate(
         comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
     if fold is not None:
         peak = fold.peak_bytes(
-            {v: _device_bytes(graph, v, prop, mesh) for v in mat}, held, hardware.copies_transposed_lhs
+            {v: device_bytes(graph, v, prop, mesh) for v in mat}, held, hardware.copies_transposed_lhs
         )
     else:
         peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
@@ -110,7 +110,7 @@ def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, m
     values = op.operands + op.results
     if op.primitive in memory.FUSIBLE:
         values = tuple(v for v in values if v in materialized)
-    moved = sum(_device_bytes(graph, v, prop, mesh) for v in values if v >= 0)
+    moved = sum(device_bytes(graph, v, prop, mesh) for v in values if v >= 0)
     seconds = max(flops / hardware.peak_flops, moved / hardware.memory_bandwidth)
     if op.body is not None:  # loop bodies are not propagated into yet: priced unsharded
         seconds += op.trips * sum(o.flops for o in op.body.ops) / hardware.peak_flops
@@ -123,11 +123,8 @@ def _span(axes, mesh: Mapping[str, int]) -> int:
     return math.prod(mesh[n] for n in names[outermost:])
 
 
-def _device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
-    v = graph.values[value]
-    sharding = prop.shardings.get(value, ())
-    parts = math.prod(math.prod(mesh[a] for a in axes) for axes in sharding) if sharding else 1
-    return v.nbytes // max(parts, 1)
+def device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
+    return per_device_bytes(graph, value, prop.shardings, mesh)
 
 
 def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset(), copies: bool = False) -> int:
@@ -135,5 +132,5 @@ def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset(), copies: 
     `held`: values a combined all-reduce keeps until the last of them is made; `copies`: the
     backend copies a transposed dot lhs (`Hardware.copies_transposed_lhs`)."""
     life = memory.liveness(graph)
-    sizes = np.array([_device_bytes(graph, int(v), prop, mesh) for v in life.values], dtype=np.float64)
+    sizes = np.array([device_bytes(graph, int(v), prop, mesh) for v in life.values], dtype=np.float64)
     return memory.peak(life, sizes, np.isin(life.values, list(held)), copies)

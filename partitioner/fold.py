@@ -56,6 +56,36 @@ class Fold:
         reps = self.rep[self._life.values]
         return memory.peak(self._life, per_rep[reps], np.isin(reps, list(held)), copies)
 
+    def remat_peak(self, device_bytes: Mapping[int, int], copies: bool = False) -> tuple[int, int] | None:
+        """(peak, activation bytes saved) were every repeated layer rematerialised, `jax.checkpoint`
+        around it: of the temporaries live at the heap's peak that repeated layers made, each
+        layer keeps only what it hands the next (the largest value a tie carries), and one
+        layer's share is live again while its backward pass recomputes it. An estimate from the
+        unrolled liveness, for saying whether remat would make a plan fit; None where no layer
+        repeats."""
+        layered = [(op, n) for op, n in zip(self.graph.ops, self.mult) if n > 1 and op.primitive != "tie"]
+        if not layered:
+            return None
+        per_rep = np.zeros(len(self.rep), dtype=np.float64)
+        for v, n in device_bytes.items():
+            per_rep[v] = n
+        life = self._life
+        reps = self.rep[life.values]
+        sizes = np.where(life.copy & (not copies), 0.0, per_rep[reps])
+        temp = ~(life.argument | life.result)
+        slots = life.end + 2
+        profile = np.cumsum(
+            np.bincount(life.birth[temp], sizes[temp], slots) - np.bincount(life.death[temp] + 1, sizes[temp], slots)
+        )
+        at = int(np.argmax(profile[: max(life.end, 1)]))
+        made = np.isin(reps, [r for op, _ in layered for r in op.results])
+        saved = float(sizes[temp & made & (life.birth <= at) & (life.death >= at)].sum())
+        layers = max(n for _, n in layered)
+        carried = max((per_rep[op.operands[0]] for op in self.graph.ops if op.primitive == "tie"), default=0.0)
+        peak = self.peak_bytes(device_bytes, copies=copies)
+        kept = min(saved, layers * carried)  # (a layer already rematerialised keeps no more than this)
+        return int(peak - saved + kept + saved / layers), int(saved - kept)
+
 
 def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids: Sequence[int] | None = None) -> Fold:
     """`keys`: the key path of each argument leaf, `input_ids` their value ids (for mirrors).

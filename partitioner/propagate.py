@@ -17,7 +17,8 @@ The result also lists, per op, the communication the assignment implies: a shard
 leaves partial sums to all-reduce (or to reduce-scatter, when the result is split over the same
 axes); an operand whose given sharding differs from what the op's factors ask must be resharded,
 except a value computed from literals alone, and a scatter-add into such a value (a lookup's
-gradient), which is made in the layout asked for by moving its indices and updates.
+gradient), which is made in the layout asked for by moving its indices and updates, and a
+broadcast, made so by moving its operand.
 """
 
 from __future__ import annotations
@@ -261,6 +262,15 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
         for op in graph.ops
         if op.primitive == "scatter-add" and op.operands[0] in constant
     }
+    # A broadcast (a norm's scale against the activations) is made in whatever layout its reader
+    # wants from its operand: moving the operand, not the broadcast value, is what that costs.
+    scattered.update(
+        {
+            op.results[0]: [op.operands[0]]
+            for op in graph.ops
+            if op.primitive == "broadcast_in_dim" and op.operands[0] >= 0 and op.operands[0] not in constant
+        }
+    )
     for op in graph.ops:
         assigned = factor_axes[op.id]
         for f, axes in assigned.items():
@@ -269,9 +279,7 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
                     # A result split over the reduced axes needs only its own part of the sums.
                     split = {a for dim in shardings.get(value, ()) for a in dim}
                     kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                    out.append(
-                        Communication(op.id, kind, value, axes, _per_device_bytes(graph, value, shardings, mesh))
-                    )
+                    out.append(Communication(op.id, kind, value, axes, per_device_bytes(graph, value, shardings, mesh)))
         for value, dims in zip(op.operands, op.operand_dims):
             if value < 0 or value not in shardings or value in constant:  # computed in any layout, for free
                 continue
@@ -281,7 +289,7 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
                     for moved in scattered.get(value, [value]):
                         out.append(
                             Communication(
-                                op.id, "reshard", moved, tuple(axes), _per_device_bytes(graph, moved, shardings, mesh)
+                                op.id, "reshard", moved, tuple(axes), per_device_bytes(graph, moved, shardings, mesh)
                             )
                         )
                     break
@@ -300,7 +308,8 @@ def _constants(graph: Graph) -> set[int]:
     return graph._constants
 
 
-def _per_device_bytes(graph: Graph, value: int, shardings, mesh) -> int:
+def per_device_bytes(graph: Graph, value: int, shardings: Mapping[int, Sharding], mesh) -> int:
+    """Bytes of `value` on one device under `shardings`."""
     v = graph.values[value]
     parts = math.prod(math.prod(mesh[a] for a in axes) for axes in shardings.get(value, ()))
     return v.nbytes // max(parts, 1)

@@ -28,7 +28,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import exact
-from .cost import estimate
+from .cost import device_bytes, estimate
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
 from .plan import Plan
@@ -144,7 +144,8 @@ def _search(
         raise PlanMemoryError(
             f"no plan fits {limit / 2**30:.2f} GiB per device: the smallest needs {least.cost.peak_bytes_per_device / 2**30:.2f} GiB "
             f"({least.tactic} on {dict(least.mesh)}), {(least.cost.peak_bytes_per_device - limit) / 2**30:.2f} GiB over. "
-            "Use more devices, a smaller batch, or a larger memory_limit"
+            + _remat_hint(inputs, least, hw, limit)
+            + "Use more devices, a smaller batch, or a larger memory_limit"
         )
     best, guard = _guarded(fn, args, inputs, fitting, devices, hw, limit, compile_check)
     t2 = time.perf_counter()
@@ -154,6 +155,27 @@ def _search(
     )
     plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
     return plan, ranked
+
+
+def _remat_hint(inputs: Inputs, least: Candidate, hw: Hardware, limit: int) -> str:
+    """Whether rematerialising the repeated layers would make the smallest plan fit, and by how much."""
+    g = inputs.graph
+    sizes = {v: device_bytes(g, v, least.propagation, least.mesh) for v in inputs.fold.materialized}
+    found = inputs.fold.remat_peak(sizes, hw.copies_transposed_lhs)
+    if found is None:
+        return ""
+    peak, saved = found
+    if saved <= 0.01 * least.cost.peak_bytes_per_device:
+        return "Its layers keep little more than their inputs for the backward pass: remat would not help. "
+    verdict = (
+        f"it would fit, with {(limit - peak) / 2**30:.2f} GiB to spare"
+        if peak <= limit
+        else f"still {(peak - limit) / 2**30:.2f} GiB over"
+    )
+    return (
+        f"Rematerialising each repeated layer (jax.checkpoint around it) would need about {peak / 2**30:.2f} GiB, "
+        f"not keeping {saved / 2**30:.2f} GiB of activations for the backward pass: {verdict}. "
+    )
 
 
 CLOSE = 1.25  # candidates predicted within this factor of the best are worth compiling to tell apart

@@ -385,12 +385,18 @@ def _megatron(
     inputs: Inputs, mesh: dict[str, int], batch: Mapping[int, Sharding], preset: Mapping[int, Sharding] | None = None
 ) -> dict[int, Sharding]:
     """Decide weights in program order, propagating after each decision; weights in `preset`
-    (stacked experts) take the sharding given there. The graph is folded, so a repeated layer's
-    weights are decided once for every copy (TAP)."""
+    (stacked experts) take the sharding given there. A weight is row-parallel where its
+    activation arrives split along the contracted dimension, or comes from a column-parallel
+    projection through ops that lost the split (a fused QKV cut by `jnp.split`): Megatron's pairs,
+    read from the dataflow. The graph is folded, so a repeated layer's weights are decided once
+    for every copy (TAP)."""
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
+    column: set[int] = set()  # matmuls whose weight went column-parallel
+    weights = weights_in_order(inputs)
+    feeders = _feeders(g, weights)
     prop = propagate(g, {**batch}, mesh)
-    for weight in weights_in_order(inputs):
+    for weight in weights:
         op, k, w = weight.op, weight.k, weight.value
         if preset and w in preset:
             chosen[w] = preset[w]
@@ -407,15 +413,43 @@ def _megatron(
         if arrives_split:  # row-parallel: split the contracted dimension the activation is split on
             split = {ds[0] for axes, ds in zip(x_sharding, x_dims) if "model" in axes and ds}
             dims = [d for d, ds in enumerate(w_dims) if ds and ds[0] in split]
+        elif feeders[op.id] & column:  # row-parallel after a split the dataflow lost: the major contracted dim
+            dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.REDUCE]
         else:  # column-parallel: split an output dimension, the major one (heads, not head_dim)
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
         shape = weight.shape(g)
         dims = [d for d in dims if shape[d] % t == 0]
         if not dims:
             continue
+        if kind(w_dims[dims[0]]) is FactorKind.PASS:
+            column.add(op.id)
         chosen[w] = weight.sharding(split_over(shape, dims[0], "model"))
         prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
     return chosen
+
+
+def _feeders(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:
+    """Per weight's matmul, the weights' matmuls whose results reach its activation through ops
+    that multiply by no weight (attention, norms, a split, a residual add), and are at least as
+    large as it (the stream it consumes, not a router's gates beside it)."""
+    mine = {w.op.id for w in weights}
+    producer = {r: op for op in g.ops for r in op.results}
+    out = {}
+    for w in weights:
+        found, seen, stack = set(), set(), [w.op.operands[1 - w.k]]
+        while stack:
+            v = stack.pop()
+            if v < 0 or v in seen or v not in producer:
+                continue
+            seen.add(v)
+            op = producer[v]
+            if op.id in mine:
+                if g.values[v].nbytes >= g.values[w.op.operands[1 - w.k]].nbytes:
+                    found.add(op.id)
+            else:
+                stack.extend(op.operands)
+        out[w.op.id] = found
+    return out
 
 
 def _experts(inputs: Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:

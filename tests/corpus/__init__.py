@@ -8,6 +8,7 @@ Each module has `build(layers=..., **options) -> (step, (state, batch))`, abstra
 
 CORPUS = {
     "llama-maxtext": ("llama_maxtext", {}),
+    "llama-maxtext-remat": ("llama_maxtext", {"remat": True}),
     "llama-gqa-repeat": ("llama_gqa", {"form": "repeat"}),
     "llama-gqa-tile": ("llama_gqa", {"form": "tile"}),
     "llama-gqa-broadcast": ("llama_gqa", {"form": "broadcast"}),

@@ -94,10 +94,10 @@ def block(p, x, form, c=CFG):
     return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
 
 
-def loss(params, tokens, targets, form):
+def loss(params, tokens, targets, form, c=CFG):
     x = params["embed"][tokens]
     layer = jax.checkpoint(
-        functools.partial(block, form=form), policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        functools.partial(block, form=form, c=c), policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     )
     for p in params["blocks"]:
         x = layer(p, x)
@@ -110,7 +110,7 @@ def build(layers=2, form="repeat", c=CFG):
 
     def step(state, batch):
         params, opt_state = state
-        value, grads = jax.value_and_grad(loss)(params, batch["tokens"], batch["targets"], form)
+        value, grads = jax.value_and_grad(loss)(params, batch["tokens"], batch["targets"], form, c)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), {"loss": value}
 

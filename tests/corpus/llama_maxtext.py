@@ -4,7 +4,8 @@ float32 master weights cast to bfloat16 for compute, projection kernels with sev
 applied with `jnp.einsum`, grouped-query attention with K/V heads repeated by `jnp.repeat`, RoPE
 by halves (slices, rotation, concatenation), a causal mask from `jnp.tril`, RMSNorm, SwiGLU, and
 layers as a Python loop; the optimizer is an optax chain of `clip_by_global_norm` and `adamw`
-with a warmup-cosine schedule and weight decay masked off the norms."""
+with a warmup-cosine schedule and weight decay masked off the norms. `remat=True` runs each layer
+under `jax.checkpoint`."""
 
 import jax
 import jax.numpy as jnp
@@ -79,13 +80,17 @@ def mlp(p, x):
     return (gate * (x @ w["wi_1"]["kernel"])) @ w["wo"]["kernel"]
 
 
-def forward(params, tokens):
+def decoder_layer(layer, x, positions):
+    x = x + attention(layer["attention"], rms_norm(x, layer["pre_self_attention_norm"]["scale"]), positions)
+    return x + mlp(layer["mlp"], rms_norm(x, layer["post_self_attention_norm"]["scale"]))
+
+
+def forward(params, tokens, remat=False):
     x = params["token_embedder"]["embedding"].astype(jnp.bfloat16)[tokens]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    run = jax.checkpoint(decoder_layer) if remat else decoder_layer  # MaxText's remat_policy="full"
     for name in sorted(params["decoder"], key=lambda n: int(n.split("_")[1])):
-        layer = params["decoder"][name]
-        x = x + attention(layer["attention"], rms_norm(x, layer["pre_self_attention_norm"]["scale"]), positions)
-        x = x + mlp(layer["mlp"], rms_norm(x, layer["post_self_attention_norm"]["scale"]))
+        x = run(params["decoder"][name], x, positions)
     x = rms_norm(x, params["decoder_norm"]["scale"])
     return (x @ params["logits_dense"]["kernel"].astype(jnp.bfloat16)).astype(jnp.float32)
 
@@ -96,12 +101,12 @@ def optimizer():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1, mask=decay_mask))
 
 
-def build(layers=2, c=CFG):
+def build(layers=2, c=CFG, remat=False):
     tx = optimizer()
 
     def step(state, batch):
         def loss_fn(params):
-            logits = forward(params, batch["inputs"])
+            logits = forward(params, batch["inputs"], remat)
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])

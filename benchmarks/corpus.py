@@ -1,0 +1,78 @@
+"""The partitioner on the corpus of training steps written as people write them (`tests/corpus`).
+
+    .venv/bin/python benchmarks/corpus.py tables [NAME ...]   # plans against the experts' (8 devices)
+    .venv/bin/python benchmarks/corpus.py depth [NAME ...]    # plan time against depth (1,024 devices)
+    .venv/bin/python benchmarks/corpus.py large               # 96 layers, 2M tokens, 1,024 H100s
+
+`tables`: for each model, the fast and thorough plans and each expert plan, compiled on 8 fake CPU
+devices and priced from what XLA produced with the h100 profile (`partitioner.verify`), with the
+predicted and compiled collective bytes and peak memory (Markdown, one table per model).
+`depth`: `search(..., devices=1024, level="fast")` wall time, capture included, at 12 and 96
+layers, median of 3 runs each, alternating, in this process; the guard is off (1,024 devices are
+not here to compile on). `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU
+28672) of 96 layers under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for
+1,024 H100s: devices used, peak against the limit, plan time.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tables(names) -> None:
+    from tests.corpus import CORPUS, common, load
+
+    for name in names or CORPUS:
+        module, options = load(name)
+        t = time.perf_counter()
+        rows = common.compare(module, **options)
+        print(f"\n#### {name} ({time.perf_counter() - t:.0f} s)\n\n{common.table(rows)}", flush=True)
+
+
+def depth(names) -> None:
+    from partitioner.search import search
+    from tests.corpus import LOOPED, SCANNED, load
+
+    for name in names or (LOOPED + SCANNED):
+        module, options = load(name)
+        times = {12: [], 96: []}
+        notes = {}
+        for _ in range(3):
+            for layers in times:
+                fn, args = module.build(layers=layers, **options)
+                t = time.perf_counter()
+                plan, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+                times[layers].append(time.perf_counter() - t)
+                notes[layers] = plan.notes[-1]
+        m12, m96 = statistics.median(times[12]), statistics.median(times[96])
+        print(f"| {name} | {m12:.2f} | {m96:.2f} | {m96 / m12:.2f} | {notes[96]} |", flush=True)
+
+
+def large() -> None:
+    from partitioner import plan, profile
+    from tests.corpus import llama_gqa
+
+    c = dict(llama_gqa.CFG, d=8192, heads=64, kv_heads=8, head_dim=128, ff=28672, seq=2048, batch=1024)
+    fn, args = llama_gqa.build(layers=96, form="repeat", c=c)
+    t = time.perf_counter()
+    p = plan(fn, *args, devices=1024, hardware="h100")
+    seconds = time.perf_counter() - t
+    limit = profile("h100").memory_bytes
+    print(
+        f"{p.describe()}: {p.devices_used / 1024:.0%} of the devices, peak {p.cost.peak_bytes_per_device / 2**30:.1f} "
+        f"of {limit / 2**30:.1f} GiB, predicted {p.cost.total_seconds:.2f} s/step, planned in {seconds:.1f} s"
+    )
+    print("\n".join(p.notes))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    what, names = sys.argv[1], sys.argv[2:]
+    {"tables": lambda: tables(names), "depth": lambda: depth(names), "large": large}[what]()
