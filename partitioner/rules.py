@@ -306,22 +306,18 @@ def _gather(eqn, in_shapes, out_shapes):
     """Offset dims of the result come from operand dims taken whole; batch dims from the
     indices; an operand dim that is indexed (an embedding's vocabulary) is a GATHER factor."""
     dn = eqn.params["dimension_numbers"]
-    sizes = eqn.params["slice_sizes"]
     operand, indices, out = in_shapes[0], in_shapes[1], out_shapes[0]
     factors: list[Factor] = []
     op_dims: list[tuple] = [()] * len(operand)
     res_dims: list[tuple] = [()] * len(out)
-    offset_operand = [
-        d
-        for d in range(len(operand))
-        if d not in dn.collapsed_slice_dims and d not in getattr(dn, "operand_batching_dims", ())
-    ]
-    for out_d, op_d in zip(dn.offset_dims, offset_operand):
-        kind = FactorKind.PASS if sizes[op_d] == operand[op_d] else FactorKind.OPAQUE
-        factors.append(Factor(out[out_d], kind))
-        res_dims[out_d] = (len(factors) - 1,)
-        if kind is FactorKind.PASS:
-            op_dims[op_d] = (len(factors) - 1,)
+    _windows(
+        zip(dn.offset_dims, _window_operand_dims(dn, operand, dn.collapsed_slice_dims)),
+        out,
+        operand,
+        factors,
+        op_dims,
+        res_dims,
+    )
     batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
     index_batch = [d for d in range(len(indices)) if d != len(indices) - 1]
     idx_dims: list[tuple] = [()] * len(indices)
@@ -331,10 +327,7 @@ def _gather(eqn, in_shapes, out_shapes):
     # Batched gathers (take_along_axis): those operand dims run alongside the indices' batch dims.
     for op_d, idx_d in zip(getattr(dn, "operand_batching_dims", ()), getattr(dn, "start_indices_batching_dims", ())):
         op_dims[op_d] = idx_dims[idx_d]
-    for d in range(len(operand)):
-        if not op_dims[d]:
-            factors.append(Factor(operand[d], FactorKind.GATHER))
-            op_dims[d] = (len(factors) - 1,)
+    _indexed(operand, factors, op_dims)
     return factors, [tuple(op_dims), tuple(idx_dims)], [tuple(res_dims)], 0.0
 
 
@@ -345,17 +338,8 @@ def _scatter(eqn, in_shapes, out_shapes):
     factors: list[Factor] = []
     op_dims: list[tuple] = [()] * len(operand)
     upd_dims: list[tuple] = [()] * len(updates)
-    window_operand = [
-        d
-        for d in range(len(operand))
-        if d not in dn.inserted_window_dims and d not in getattr(dn, "operand_batching_dims", ())
-    ]
-    for upd_d, op_d in zip(dn.update_window_dims, window_operand):
-        kind = FactorKind.PASS if updates[upd_d] == operand[op_d] else FactorKind.OPAQUE
-        factors.append(Factor(updates[upd_d], kind))
-        upd_dims[upd_d] = (len(factors) - 1,)
-        if kind is FactorKind.PASS:
-            op_dims[op_d] = (len(factors) - 1,)
+    window = _window_operand_dims(dn, operand, dn.inserted_window_dims)
+    _windows(zip(dn.update_window_dims, window), updates, operand, factors, op_dims, upd_dims)
     scatter_upd = [d for d in range(len(updates)) if d not in dn.update_window_dims]
     idx_dims: list[tuple] = [()] * len(indices)
     batching = dict(zip(getattr(dn, "scatter_indices_batching_dims", ()), getattr(dn, "operand_batching_dims", ())))
@@ -366,11 +350,33 @@ def _scatter(eqn, in_shapes, out_shapes):
         upd_dims[upd_d] = idx_dims[idx_d] = (len(factors) - 1,)
         if idx_d in batching:
             op_dims[batching[idx_d]] = upd_dims[upd_d]
+    _indexed(operand, factors, op_dims)
+    return factors, [tuple(op_dims), tuple(idx_dims), tuple(upd_dims)], [tuple(op_dims)], math.prod(updates)
+
+
+def _window_operand_dims(dn, operand, dropped) -> list[int]:
+    """The operand dims a gather's offset dims (a scatter's window dims) take, in order."""
+    batching = getattr(dn, "operand_batching_dims", ())
+    return [d for d in range(len(operand)) if d not in dropped and d not in batching]
+
+
+def _windows(pairs, window, operand, factors: list[Factor], op_dims: list, window_dims: list) -> None:
+    """Each (window dim, operand dim): passed through where the window takes the operand dim
+    whole, opaque where it cuts it."""
+    for w_d, op_d in pairs:
+        kind = FactorKind.PASS if window[w_d] == operand[op_d] else FactorKind.OPAQUE
+        factors.append(Factor(window[w_d], kind))
+        window_dims[w_d] = (len(factors) - 1,)
+        if kind is FactorKind.PASS:
+            op_dims[op_d] = (len(factors) - 1,)
+
+
+def _indexed(operand, factors: list[Factor], op_dims: list) -> None:
+    """The operand dims nothing else placed are indexed: GATHER factors."""
     for d in range(len(operand)):
         if not op_dims[d]:
             factors.append(Factor(operand[d], FactorKind.GATHER))
             op_dims[d] = (len(factors) - 1,)
-    return factors, [tuple(op_dims), tuple(idx_dims), tuple(upd_dims)], [tuple(op_dims)], math.prod(updates)
 
 
 def _conv(eqn, in_shapes, out_shapes):

@@ -335,8 +335,19 @@ class Weight:
 
 
 # Ops a weight passes through on its way to a matmul without changing what it holds: a cast (float32
-# master weights computed in bfloat16), a copy, a transpose, one layer's slice of a scanned stack.
-_CARRIES_WEIGHT = {"convert_element_type", "copy", "copy_p", "reduce_precision", "transpose", "scan_slice"}
+# master weights computed in bfloat16), a copy, a transpose, a reshape that splits or merges heads
+# ([embed, heads * head_dim] read as [embed, heads, head_dim]), one layer's slice of a scanned stack.
+_CARRIES_WEIGHT = {
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "reduce_precision",
+    "transpose",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "scan_slice",
+}
 
 
 def _source(g: Graph, producer: Mapping[int, Op], state: Collection[int], v: int) -> tuple[int, tuple[int, ...]] | None:

@@ -206,3 +206,23 @@ def plan_for(candidate, fn, args):
 
     hw = profile("h100")
     return _to_plan(read_inputs(fn, args, None), candidate, args, 8, 0.0, [candidate], hw.memory_bytes, hw)
+
+
+def test_a_merged_heads_kernel_reshaped_to_heads_is_split_on_heads():
+    """Praxis-style: the kernel stored [embed, heads * head_dim] and reshaped to [embed, heads,
+    head_dim] before the einsum; the split goes on the stored dimension's major factor (heads)."""
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+    def step(state, x):
+        def loss(p):
+            q = jnp.einsum("bse,ehd->bshd", x, p["wq"].reshape(512, 8, 64))
+            return jnp.einsum("bshd,hde->bse", jax.nn.relu(q), p["wo"].reshape(8, 64, 512)).sum()
+
+        g = jax.grad(loss)(state)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), {}
+
+    state = {"wq": f32(512, 512), "wo": f32(512, 512)}
+    _, ranked = search(step, state, f32(16, 128, 512), devices=8, hardware="h100", compile_check=False)
+    tp = next(c for c in ranked if c.tactic == "megatron" and c.mesh["model"] == 4)
+    p = plan_for(tp, step, (state, f32(16, 128, 512)))
+    assert p.in_specs[0]["wq"] == P(None, "model") and p.in_specs[0]["wo"] == P("model"), p.in_specs[0]
