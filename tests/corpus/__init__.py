@@ -27,6 +27,7 @@ CORPUS = {
 # Written as a Python loop over layers (the folding check of plan time against depth applies).
 LOOPED = (
     "llama-maxtext",
+    "llama-maxtext-remat",
     "llama-gqa-repeat",
     "nnx-llama",
     "moe-top2-shared",
