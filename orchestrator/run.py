@@ -54,7 +54,12 @@ def run_job(
     def planner(devices: int):
         if job.planner == "shapes":
             return partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware=job.hardware)
-        return partitioner.plan(program.step, state, batch, devices=devices, hardware=job.hardware, level=job.planner)
+        # No compile check here: the driver's devices are not the cluster's (one CPU device on a
+        # real head node, where the check is skipped anyway), and every re-plan is on the
+        # recovery path. `remesh plan` shows what the check would choose.
+        return partitioner.plan(
+            program.step, state, batch, devices=devices, hardware=job.hardware, level=job.planner, compile_check=False
+        )
 
     config = _with_job_paths(config or ControllerConfig(), job)
     committed = lambda: _committed_step(job.checkpoint.dir)

@@ -48,14 +48,14 @@ def test_shards_parameters_when_replicated_state_does_not_fit(gpt):
 
 def test_plan_round_trips_through_json_and_rejects_other_trees(gpt):
     program, state, batch = gpt
-    plan = partitioner.plan(program.step, state, batch, devices=6, hardware="h100")
+    plan = partitioner.plan(program.step, state, batch, devices=6, hardware="h100", compile_check=False)
     again = partitioner.Plan.from_json(plan.to_json())
     assert again.mesh == plan.mesh and again.cost == plan.cost and again.notes == plan.notes
     assert jax.tree.leaves(again.specs_like(state, argnum=0)) == jax.tree.leaves(plan.specs_like(state, argnum=0))
     with pytest.raises(partitioner.PlanMismatchError, match="no spec for argument 0 leaf"):
         again.specs_like({"other": state}, argnum=0)
     with pytest.raises(partitioner.UnknownHardwareError, match="expected one of"):
-        partitioner.plan(program.step, state, batch, devices=6, hardware="a100")
+        partitioner.plan(program.step, state, batch, devices=6, hardware="a100", compile_check=False)
 
 
 def test_bound_plan_computes_what_one_device_computes(gpt, devices8):
@@ -63,7 +63,7 @@ def test_bound_plan_computes_what_one_device_computes(gpt, devices8):
 
     program, state, batch = gpt
     plan = partitioner.Plan.from_json(  # as the hosts receive it
-        partitioner.plan(program.step, state, batch, devices=7, hardware="cpu").to_json()
+        partitioner.plan(program.step, state, batch, devices=7, hardware="cpu", compile_check=False).to_json()
     )
     real_state = program.init(jax.random.key(0))
     real_batch = program.batch(3, 24)

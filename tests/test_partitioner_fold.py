@@ -64,8 +64,8 @@ def test_mirrored_optimizer_state_joins_its_parameters_class():
 def test_a_deep_model_plans_like_a_shallow_one():
     step2, args2 = gpt(2048, 16, 8192, 4096, 256, 2, 8)
     step6, args6 = gpt(2048, 16, 8192, 4096, 256, 6, 8)
-    p2, _ = search(step2, *args2, devices=8, hardware="h100")
-    p6, _ = search(step6, *args6, devices=8, hardware="h100")
+    p2, _ = search(step2, *args2, devices=8, hardware="h100", compile_check=False)
+    p6, _ = search(step6, *args6, devices=8, hardware="h100", compile_check=False)
     assert p2.mesh == p6.mesh and p2.notes[0].split()[1] == p6.notes[0].split()[1]
     layer2, layer6 = p2.in_specs[0]["params"]["layers"], p6.in_specs[0]["params"]["layers"]
     assert all(layer6[i] == layer2[0] for i in range(6))

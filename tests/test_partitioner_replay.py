@@ -150,7 +150,7 @@ def test_search_on_the_compact_graph_chooses_what_the_unrolled_one_does(monkeypa
             return captured[-1]
 
         monkeypatch.setattr(tactics, "capture", capture_as)
-        plan, ranked = search(step, *args, devices=8, hardware="h100")
+        plan, ranked = search(step, *args, devices=8, hardware="h100", compile_check=False)
         plans.append(
             (
                 plan.mesh,

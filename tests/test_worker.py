@@ -23,9 +23,11 @@ def spec(tmp_path, devices, steps, planner="shapes", program_ref="examples.gpt.m
     program = load_program(program_ref)
     state, batch = check_program(program, global_batch)
     if planner == "megatron":  # the factor-graph search, held to tensor parallelism
-        plan = search(program.step, state, batch, devices=devices, hardware="cpu", tactics=("megatron",))[0]
+        plan = search(
+            program.step, state, batch, devices=devices, hardware="cpu", tactics=("megatron",), compile_check=False
+        )[0]
     elif planner == "tactics":
-        plan = search(program.step, state, batch, devices=devices, hardware="cpu")[0]
+        plan = search(program.step, state, batch, devices=devices, hardware="cpu", compile_check=False)[0]
     else:
         plan = partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware="cpu")
     return SegmentSpec(
