@@ -73,11 +73,7 @@ class Fold:
         reps = self.rep[life.values]
         sizes = np.where(life.copy & (not copies), 0.0, per_rep[reps])
         temp = ~(life.argument | life.result)
-        slots = life.end + 2
-        profile = np.cumsum(
-            np.bincount(life.birth[temp], sizes[temp], slots) - np.bincount(life.death[temp] + 1, sizes[temp], slots)
-        )
-        at = int(np.argmax(profile[: max(life.end, 1)]))
+        at = int(np.argmax(memory.heap_profile(life.birth[temp], life.death[temp], sizes[temp], life.end)))
         made = np.isin(reps, [r for op, _ in layered for r in op.results])
         saved = float(sizes[temp & made & (life.birth <= at) & (life.death >= at)].sum())
         layers = max(n for _, n in layered)

@@ -205,14 +205,11 @@ def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copi
     fixed = float(sizes[~temp].sum())
     if not temp.any():
         return int(fixed)
-    slots = life.end + 2
     death = life.death
     if held is not None and held.any():
         death = np.where(held, np.maximum(death, life.birth[held].max()), death)
     t_birth, t_death, t_size = life.birth[temp], death[temp], sizes[temp]
-    profile = np.cumsum(np.bincount(t_birth, t_size, slots) - np.bincount(t_death + 1, t_size, slots))[
-        : max(life.end, 1)
-    ]
+    profile = heap_profile(t_birth, t_death, t_size, life.end)
     times = np.argpartition(-profile, min(CANDIDATE_TIMES, len(profile) - 1))[:CANDIDATE_TIMES]
     r_birth, r_size = life.birth[life.result], sizes[life.result]
     heap = 0.0
@@ -221,6 +218,12 @@ def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copi
         free = r_size[r_birth > t]  # results not written yet: their buffers can hold a temporary
         heap = max(heap, float(live.sum()) - _hosted(live, free))
     return int(fixed + heap)
+
+
+def heap_profile(birth: np.ndarray, death: np.ndarray, sizes: np.ndarray, end: int) -> np.ndarray:
+    """Bytes of the given temporaries live at each op of the unrolled timeline."""
+    slots = end + 2
+    return np.cumsum(np.bincount(birth, sizes, slots) - np.bincount(death + 1, sizes, slots))[: max(end, 1)]
 
 
 def _hosted(temps: np.ndarray, buffers: np.ndarray) -> float:

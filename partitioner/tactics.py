@@ -90,6 +90,17 @@ class Inputs:
         ]
         return below, tails
 
+    @functools.cached_property
+    def weights(self) -> list:
+        """`weights_in_order`, found once: every tactic on every mesh, the refinement and the exact
+        level ask for them."""
+        return _find_weights(self)
+
+    @functools.cached_property
+    def feeders(self) -> dict[int, set[int]]:
+        """`_feeders` of the weights, found once."""
+        return _feeders(self.graph, self.weights)
+
 
 TACTICS = (
     "dp",
@@ -371,8 +382,12 @@ def _source(g: Graph, producer: Mapping[int, Op], state: Collection[int], v: int
 
 def weights_in_order(inputs: Inputs) -> list[Weight]:
     """Matmul weights in program order, first use only, read directly or through a cast, a
-    transpose or a layer at a time from a scanned stack. A table read by a gather is one only
-    where a matmul reads it too (a tied embedding: its vocabulary split is the logits')."""
+    transpose, a reshape or a layer at a time from a scanned stack. A table read by a gather is
+    one only where a matmul reads it too (a tied embedding: its vocabulary split is the logits')."""
+    return inputs.weights
+
+
+def _find_weights(inputs: Inputs) -> list[Weight]:
     g = inputs.graph
     state = set(state_values(inputs))
     producer = {r: op for op in g.ops for r in op.results}
@@ -404,8 +419,7 @@ def _megatron(
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
     column: set[int] = set()  # matmuls whose weight went column-parallel
-    weights = weights_in_order(inputs)
-    feeders = _feeders(g, weights)
+    weights, feeders = weights_in_order(inputs), inputs.feeders
     prop = propagate(g, {**batch}, mesh)
     for weight in weights:
         op, k, w = weight.op, weight.k, weight.value
