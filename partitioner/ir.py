@@ -100,6 +100,7 @@ class Graph:
     _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    _first_stage: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # (`propagate`)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one

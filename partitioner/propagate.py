@@ -89,43 +89,75 @@ def propagate(
 
 
 def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Sharding], touching: Mapping[int, list[int]]):
-    shardings: dict[int, Sharding] = dict(seeds)  # not fixed: they only claim their axes first
-    fixed: set[int] = set()
-    factor_axes: dict[int, dict[int, tuple[str, ...]]] = {op.id: {} for op in graph.ops}
-    claims: dict[int, dict[int, int]] = {op.id: {} for op in graph.ops}  # bytes of the operand that set each factor
-    takeovers: list[tuple[int, int, tuple[str, ...]]] = []  # (op, factor, axes) a larger operand took over
-    info = _op_info(graph)
+    # Every candidate on a mesh spreads the same batch first: that stage's outcome is kept on the
+    # graph and each later run starts from a copy of it.
+    key = (tuple(mesh.items()), tuple(sorted(stages[0].items())), max_sweeps) if len(stages) > 1 and not seeds else None
+    cache = graph._first_stage
+    cached = key is not None and key in cache
+    if cached:
+        state = _copied(cache[key])
+        stages = stages[1:]
+    else:
+        state = (
+            dict(seeds),  # not fixed: they only claim their axes first
+            set(),
+            {op.id: {} for op in graph.ops},  # op id -> factor -> axes
+            {op.id: {} for op in graph.ops},  # op id -> factor -> bytes of the operand that set it
+            [],  # (op, factor, axes) a larger operand took over
+        )
     for n, stage in enumerate(stages):
-        shardings.update(stage)
-        fixed |= set(stage)
-        new = {o for v in stage for o in touching.get(v, ())} if n else {op.id for op in graph.ops}
-        for strict in (True, False):
-            # Monotone: only ops next to a new annotation, then only the broadcasts held back.
-            dirty = new if strict else {op.id for op in graph.ops if info[op.id].broadcasting}
-            for sweep in range(max_sweeps):
-                order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
-                changed: set[int] = set()
-                for op in order:
-                    if op.id in dirty:
-                        dirty.discard(op.id)
-                        for v in _step(
-                            graph,
-                            op,
-                            info[op.id],
-                            shardings,
-                            fixed,
-                            factor_axes[op.id],
-                            claims[op.id],
-                            mesh,
-                            sweep % 2 == 0,
-                            strict,
-                            takeovers,
-                        ):
-                            changed.add(v)
-                            dirty.update(touching[v])  # only ops that see a changed value can change anything
-                if not changed:
-                    break
+        _stage(graph, state, stage, n == 0 and not cached, mesh, max_sweeps, touching)
+        if key is not None and key not in cache:
+            cache[key] = _copied(state)
+    shardings, _, factor_axes, _, takeovers = state
     return shardings, factor_axes, takeovers
+
+
+def _copied(state):
+    shardings, fixed, factor_axes, claims, takeovers = state
+    return (
+        dict(shardings),
+        set(fixed),
+        {k: dict(v) for k, v in factor_axes.items()},
+        {k: dict(v) for k, v in claims.items()},
+        list(takeovers),
+    )
+
+
+def _stage(graph: Graph, state, stage, everything: bool, mesh, max_sweeps: int, touching) -> None:
+    """Spread one stage's annotations to a fixed point, from every op (`everything`) or from the
+    ops next to them."""
+    shardings, fixed, factor_axes, claims, takeovers = state
+    info = _op_info(graph)
+    shardings.update(stage)
+    fixed |= set(stage)
+    new = {op.id for op in graph.ops} if everything else {o for v in stage for o in touching.get(v, ())}
+    for strict in (True, False):
+        # Monotone: only ops next to a new annotation, then only the broadcasts held back.
+        dirty = new if strict else {op.id for op in graph.ops if info[op.id].broadcasting}
+        for sweep in range(max_sweeps):
+            order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
+            changed: set[int] = set()
+            for op in order:
+                if op.id in dirty:
+                    dirty.discard(op.id)
+                    for v in _step(
+                        graph,
+                        op,
+                        info[op.id],
+                        shardings,
+                        fixed,
+                        factor_axes[op.id],
+                        claims[op.id],
+                        mesh,
+                        sweep % 2 == 0,
+                        strict,
+                        takeovers,
+                    ):
+                        changed.add(v)
+                        dirty.update(touching[v])  # only ops that see a changed value can change anything
+            if not changed:
+                break
 
 
 def _seeds(graph: Graph, takeovers, annotations) -> dict[int, Sharding]:
@@ -145,13 +177,15 @@ def _seeds(graph: Graph, takeovers, annotations) -> dict[int, Sharding]:
 
 @dataclasses.dataclass(frozen=True)
 class _OpInfo:
-    forward: tuple  # (value, dims) operands then results
-    backward: tuple  # results then operands
-    by_size: tuple  # (value, dims, nbytes), largest first (forward order among equals)
-    by_size_backward: tuple
-    largest: int
+    largest: int  # bytes of the op's largest value
     broadcasting: bool
     operand_bytes: dict  # factor -> bytes of the largest operand that carries it
+    # Each value with its dimensions that carry a factor, (d, factor); a value whose rank its
+    # dims do not match takes no sharding from the op.
+    reads: tuple  # (value, nbytes, ((d, factor), ...)), largest first (forward order among equals)
+    reads_backward: tuple  # (results first among equals)
+    writes: tuple  # (value, shape, ((d, factor), ...)), operands then results
+    writes_backward: tuple  # results then operands
 
 
 def _op_info(graph: Graph) -> list[_OpInfo]:
@@ -170,17 +204,33 @@ def _op_info(graph: Graph) -> list[_OpInfo]:
                         carried[f] = max(carried.get(f, 0), size(v))
             out.append(
                 _OpInfo(
-                    fwd,
-                    bwd,
-                    by_size,
-                    ranked(bwd),
                     by_size[0][2] if by_size else 0,
                     op.primitive in _BROADCASTING,
                     carried,
+                    _reads(graph, by_size),
+                    _reads(graph, ranked(bwd)),
+                    _writes(graph, fwd),
+                    _writes(graph, bwd),
                 )
             )
         graph._op_info = out
     return graph._op_info
+
+
+def _slots(dims, rank: int) -> tuple:
+    return tuple((d, factors[0]) for d, factors in enumerate(dims[:rank]) if factors)
+
+
+def _reads(graph: Graph, ranked) -> tuple:
+    return tuple((v, n, _slots(d, len(graph.values[v].shape))) for v, d, n in ranked)
+
+
+def _writes(graph: Graph, sides) -> tuple:
+    out = []
+    for v, dims in sides:
+        if v >= 0 and len(dims) == len(graph.values[v].shape) and any(dims):
+            out.append((v, graph.values[v].shape, _slots(dims, len(dims))))
+    return tuple(out)
 
 
 def _step(
@@ -201,11 +251,13 @@ def _step(
     # activations it scales along the hidden dimension before the batch's sharding arrives
     # (GSPMD likewise propagates through broadcasts last).
     gated = strict and info.broadcasting
-    for value, dims, nbytes in info.by_size if forward else info.by_size_backward:
-        if value not in shardings or (gated and nbytes < info.largest):
+    for value, nbytes, slots in info.reads if forward else info.reads_backward:
+        sharding = shardings.get(value)
+        if sharding is None or (gated and nbytes < info.largest):
             continue
-        for axes, factors in zip(shardings[value], dims):
-            if axes and factors and factors[0] not in assigned and _fits(op.factors[factors[0]].size, axes, mesh):
+        for d, factor in slots:
+            axes = sharding[d]
+            if axes and factor not in assigned and _fits(op.factors[factor].size, axes, mesh):
                 taken = [f for f, a in assigned.items() if set(axes) & set(a)]
                 # An operand at least twice the size of the one that claimed the axis takes it
                 # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
@@ -214,34 +266,35 @@ def _step(
                     for f in taken:
                         del assigned[f]
                     taken = []
-                    takeovers.append((op.id, factors[0], tuple(axes)))
+                    takeovers.append((op.id, factor, tuple(axes)))
                 if not taken:
-                    assigned[factors[0]] = tuple(axes)
+                    assigned[factor] = tuple(axes)
                     # What giving the axis up would cost is moving the operand that carries the
                     # factor, not the result that proposed it.
-                    claims[factors[0]] = info.operand_bytes.get(factors[0], nbytes)
+                    claims[factor] = info.operand_bytes.get(factor, nbytes)
     if not assigned:
         return []
     changed = []
-    for value, dims in info.forward if forward else info.backward:
-        if value < 0 or value in fixed:
+    for value, shape, slots in info.writes if forward else info.writes_backward:
+        if value in fixed:
             continue
-        shape = graph.values[value].shape
-        if len(dims) != len(shape):
-            continue
-        current = shardings.get(value, ((),) * len(shape))
-        proposed = list(current)
-        used = {a for axes in current for a in axes}
-        for d, factors in enumerate(dims):
-            if proposed[d] or not factors or factors[0] not in assigned:
+        current = shardings.get(value)
+        proposed = None
+        for d, factor in slots:
+            if factor not in assigned or (current is not None and current[d]):
                 continue
-            axes = assigned[factors[0]]
-            if not used & set(axes) and _fits(shape[d], axes, mesh):
+            if proposed is None:
+                proposed = list(current) if current is not None else [()] * len(shape)
+                used = {a for axes in proposed for a in axes}
+            axes = assigned[factor]
+            if used.isdisjoint(axes) and _fits(shape[d], axes, mesh):
                 proposed[d] = axes
-                used |= set(axes)
-        if tuple(proposed) != current:
-            shardings[value] = tuple(proposed)
-            changed.append(value)
+                used.update(axes)
+        if proposed is not None:
+            new = tuple(proposed)
+            if new != (current if current is not None else ((),) * len(shape)):
+                shardings[value] = new
+                changed.append(value)
     return changed
 
 
