@@ -50,11 +50,23 @@ class Fold:
         (`memory.peak`); `device_bytes`: per representative value, its bytes on one device;
         `held`: representatives of values a combined all-reduce keeps until the last is made;
         `copies`: the backend copies a transposed lhs (`Hardware.copies_transposed_lhs`)."""
+        return memory.peak(*self._sized(device_bytes, held), copies)
+
+    def heap(self, device_bytes: Mapping[int, int], held=frozenset(), copies: bool = False):
+        """`memory.heap` of the unrolled program, as `peak_bytes` reads it."""
+        return memory.heap(*self._sized(device_bytes, held), copies)
+
+    @property
+    def timeline(self) -> int:
+        """Ops of the unrolled program's timeline."""
+        return self._life.end
+
+    def _sized(self, device_bytes: Mapping[int, int], held) -> tuple:
         per_rep = np.zeros(len(self.rep), dtype=np.float64)
         for v, n in device_bytes.items():
             per_rep[v] = n
         reps = self.rep[self._life.values]
-        return memory.peak(self._life, per_rep[reps], np.isin(reps, list(held)), copies)
+        return self._life, per_rep[reps], np.isin(reps, list(held))
 
     def remat_peak(self, device_bytes: Mapping[int, int], copies: bool = False) -> tuple[int, int] | None:
         """(peak, activation bytes saved) were every repeated layer rematerialised, `jax.checkpoint`

@@ -197,6 +197,17 @@ def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copi
     """`sizes`: bytes on one device of each of `life.values`; `held`: those a combined all-reduce
     reads (gradients), which live until the last of them is made, as the one collective that
     reduces them all waits for it; `copies`: the backend copies a transposed lhs."""
+    fixed, profile, live_at = heap(life, sizes, held, copies)
+    if profile is None:
+        return int(fixed)
+    times = np.argpartition(-profile, min(CANDIDATE_TIMES, len(profile) - 1))[:CANDIDATE_TIMES]
+    return int(fixed + max(heap_bytes(*(Counter(x.astype(np.int64).tolist()) for x in live_at(int(t)))) for t in times))
+
+
+def heap(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copies: bool = False):
+    """`peak`'s parts: (bytes of the arguments and results, the temporaries' bytes live at each
+    time or None where there are none, and per time the sizes of the temporaries live then and
+    of the result buffers not yet written, which can hold some of them: `heap_bytes`)."""
     if not copies:
         sizes = np.where(life.copy, 0.0, sizes)
     if held is not None:
@@ -204,34 +215,27 @@ def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copi
     temp = ~(life.argument | life.result)
     fixed = float(sizes[~temp].sum())
     if not temp.any():
-        return int(fixed)
+        return fixed, None, None
     death = life.death
     if held is not None and held.any():
         death = np.where(held, np.maximum(death, life.birth[held].max()), death)
     t_birth, t_death, t_size = life.birth[temp], death[temp], sizes[temp]
-    profile = heap_profile(t_birth, t_death, t_size, life.end)
-    times = np.argpartition(-profile, min(CANDIDATE_TIMES, len(profile) - 1))[:CANDIDATE_TIMES]
     r_birth, r_size = life.birth[life.result], sizes[life.result]
+
+    def live_at(t: int) -> tuple[np.ndarray, np.ndarray]:
+        return t_size[(t_birth <= t) & (t_death >= t)], r_size[r_birth > t]
+
+    return fixed, heap_profile(t_birth, t_death, t_size, life.end), live_at
+
+
+def heap_bytes(temps: Counter, buffers: Counter) -> float:
+    """Heap bytes for temporaries of these sizes (size -> count), less those placed one per
+    buffer in result buffers not yet written that are at least as large, largest first, each in
+    the smallest that fits."""
+    free = sorted(buffers.items())
     heap = 0.0
-    for t in times:
-        live = t_size[(t_birth <= t) & (t_death >= t)]
-        free = r_size[r_birth > t]  # results not written yet: their buffers can hold a temporary
-        heap = max(heap, float(live.sum()) - _hosted(live, free))
-    return int(fixed + heap)
-
-
-def heap_profile(birth: np.ndarray, death: np.ndarray, sizes: np.ndarray, end: int) -> np.ndarray:
-    """Bytes of the given temporaries live at each op of the unrolled timeline."""
-    slots = end + 2
-    return np.cumsum(np.bincount(birth, sizes, slots) - np.bincount(death + 1, sizes, slots))[: max(end, 1)]
-
-
-def _hosted(temps: np.ndarray, buffers: np.ndarray) -> float:
-    """Bytes of `temps` placed one per buffer in buffers at least as large, largest first, each in
-    the smallest that fits (sizes come in few distinct values, so this runs on their counts)."""
-    free = sorted(Counter(buffers.astype(np.int64).tolist()).items())
-    hosted = 0.0
-    for size, count in sorted(Counter(temps.astype(np.int64).tolist()).items(), reverse=True):
+    for size, count in sorted(temps.items(), reverse=True):
+        heap += size * count
         for i, (room, left) in enumerate(free):
             if count == 0:
                 break
@@ -239,8 +243,14 @@ def _hosted(temps: np.ndarray, buffers: np.ndarray) -> float:
                 used = min(left, count)
                 free[i] = (room, left - used)
                 count -= used
-                hosted += used * size
-    return hosted
+                heap -= used * size
+    return max(0.0, heap)
+
+
+def heap_profile(birth: np.ndarray, death: np.ndarray, sizes: np.ndarray, end: int) -> np.ndarray:
+    """Bytes of the given temporaries live at each op of the unrolled timeline."""
+    slots = end + 2
+    return np.cumsum(np.bincount(birth, sizes, slots) - np.bincount(death + 1, sizes, slots))[: max(end, 1)]
 
 
 # -- fusion: which values reach memory at all -------------------------------------------------

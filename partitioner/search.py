@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import exact
 from .cost import device_bytes, estimate
+from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
 from .plan import Plan
@@ -57,10 +58,14 @@ def plan(
     level: str = "fast",
     batch_argnums: Sequence[int] | None = None,
     compile_check: bool | str = "auto",
+    shallow_trace: bool = True,
 ) -> Plan:
     """The best plan found for `fn(*args)` on `devices` (a count or a list of devices).
     `compile_check`: "auto" compiles the top candidates where predictions are close or a
     primitive has no rule (and this process has the devices); True always, False never.
+    `shallow_trace`: where the arguments hold a deep stack of layers, plan from traces of the
+    first 3 and 4 (`depth`); pass False for a step that treats some layers differently by their
+    index (every 4th layer global attention), which those traces cannot see.
 
     Example:
         >>> p = plan(train_step, state, batch, devices=8, hardware="h100")
@@ -78,6 +83,7 @@ def plan(
         level=level,
         batch_argnums=batch_argnums,
         compile_check=compile_check,
+        shallow_trace=shallow_trace,
     )[0]
 
 
@@ -106,6 +112,7 @@ def _search(
     level: str = "fast",
     tactics: Collection[str] | None = None,
     compile_check: bool | str = "auto",
+    shallow_trace: bool = True,
 ) -> tuple[Plan, list[Candidate]]:
     """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits
     the search to the named ones (`TACTICS`; "exact" is the thorough level's solver).
@@ -119,7 +126,7 @@ def _search(
         raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
     hw = profile(hardware)
     limit = int(memory_limit or hw.memory_bytes)
-    inputs = read_inputs(fn, args, batch_argnums)
+    inputs = read_inputs(fn, args, batch_argnums, shallow_trace)
     t1 = time.perf_counter()
     meshes = mesh_shapes(devices, inputs, hw, level)
     unknown = set(tactics or ()) - set(TACTICS)
@@ -132,7 +139,7 @@ def _search(
         if tactics is None or c.tactic.split("+sequence")[0] in tactics
     ]
     if tactics is None or "refined" in tactics:
-        candidates += refined(inputs, candidates, hw, limit)
+        candidates += refined(inputs, candidates, hw, limit, level)
     if level == "thorough" and (tactics is None or "exact" in tactics):
         candidates += exact.solved(inputs, candidates, hw, limit)
     if not candidates:
@@ -149,8 +156,11 @@ def _search(
         )
     best, guard = _guarded(fn, args, inputs, fitting, devices, hw, limit, compile_check)
     t2 = time.perf_counter()
+    traced = inputs.fold.depths if isinstance(inputs.fold, Deepened) else None
     timing = (
-        f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops), fold {inputs.seconds[1]:.2f} s "
+        f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops"
+        + (f"; {traced[0]} and {traced[1]} of {traced[2]} layers traced" if traced else "")
+        + f"), fold {inputs.seconds[1]:.2f} s "
         f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     )
     plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)

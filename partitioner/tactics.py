@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 
+from . import depth
 from .arguments import abstract_leaf, key_name
 from .arguments import batch_argnums as batch_argnums_of
 from .capture import capture
@@ -101,6 +102,11 @@ class Inputs:
         """`_feeders` of the weights, found once."""
         return _feeders(self.graph, self.weights)
 
+    @functools.cached_property
+    def upstream(self) -> dict[int, set[int]]:
+        """Per weight's matmul, every weight's matmul whose result its activation is computed from."""
+        return _upstream(self.graph, self.weights)
+
 
 TACTICS = (
     "dp",
@@ -115,21 +121,31 @@ TACTICS = (
 )
 
 
-def read_inputs(fn, args, batch_argnums) -> Inputs:
+def read_inputs(fn, args, batch_argnums, shallow_trace: bool = True) -> Inputs:
+    """The step captured and folded: from two shallow traces where its arguments hold a deep stack
+    of layers it loops over (`depth.shallow`, unless `shallow_trace` is False), else from one
+    trace of the whole step."""
     t0 = time.perf_counter()
     abstract = tuple(jax.tree.map(abstract_leaf, a) for a in args)
-    graph = capture(fn, *abstract, compact=True)  # the only trace of fn: its output shapes come with the graph
-    if batch_argnums is None:
-        batch_argnums = batch_argnums_of(abstract, graph.out_shape)
     argnum, keys = [], []
     for i, a in enumerate(abstract):
         for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
             argnum.append(i)
             keys.append(tuple(key_name(k) for k in p))
-    consts = len(graph.inputs) - len(keys)
-    leaves = graph.inputs[consts:]
-    t1 = time.perf_counter()
-    folded = fold(graph, keys, leaves)
+    found = depth.shallow(fn, abstract) if shallow_trace else None
+    if found is not None:
+        folded, traced, out_shape = found.fold, found.abstract, found.out_shape
+        leaves = [found.leaves[i] for i in found.sources]
+        t1 = time.perf_counter() - found.fold_seconds
+    else:
+        traced = abstract
+        graph = capture(fn, *abstract, compact=True)  # the only trace of fn: its output shapes come with the graph
+        traced, out_shape = abstract, graph.out_shape
+        leaves = graph.inputs[len(graph.inputs) - len(keys) :]
+        t1 = time.perf_counter()
+        folded = fold(graph, keys, leaves)
+    if batch_argnums is None:
+        batch_argnums = batch_argnums_of(traced, out_shape)
     seconds = (t1 - t0, time.perf_counter() - t1)
     return Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
 
@@ -140,7 +156,8 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[
     batch leaf's sequence. The fast level keeps to meshes without seq and with model within a
     host (`fast_mesh`), except where none of those uses every device (a batch of 64 on 1,024):
     then it also prices all-device meshes with the two largest data axes the batch allows, the
-    rest of the devices over seq and model, so a plan uses the cluster wherever that is cheaper."""
+    rest of the devices over seq and model (model within a host where one allows it, as on the
+    other fast meshes), so a plan uses the cluster wherever that is cheaper."""
     leaves = [
         inputs.graph.values[v].shape
         for v, a in zip(inputs.ids, inputs.argnum)
@@ -165,14 +182,18 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[
     out = [mesh for meshes in valid.values() for mesh in meshes if fast_mesh(mesh, hw)]
     if not any(math.prod(mesh.values()) == devices for mesh in out):
         largest = sorted({mesh["data"] for mesh in valid[devices]}, reverse=True)[:2]
-        out += [mesh for mesh in valid[devices] if mesh["data"] in largest]
+        fill = [mesh for mesh in valid[devices] if mesh["data"] in largest]
+        out += [mesh for mesh in fill if mesh["model"] <= _fast_model(hw)] or fill
     return out
 
 
 def fast_mesh(mesh: Mapping[str, int], hw: Hardware) -> bool:
     """A mesh the fast level searches: no seq axis, model within one host's fast links."""
-    fast_model = hw.devices_per_host if hw.inter.bandwidth < hw.intra.bandwidth else 16
-    return mesh["seq"] == 1 and mesh["model"] <= fast_model
+    return mesh["seq"] == 1 and mesh["model"] <= _fast_model(hw)
+
+
+def _fast_model(hw: Hardware) -> int:
+    return hw.devices_per_host if hw.inter.bandwidth < hw.intra.bandwidth else 16
 
 
 def divisors(n: int) -> list[int]:
@@ -240,27 +261,39 @@ def priced(
     return Candidate(name, dict(mesh), annotations, estimate(inputs.graph, prop, mesh, hw, inputs.fold), prop)
 
 
-def refined(inputs: Inputs, candidates: list[Candidate], hw: Hardware, limit: int) -> list[Candidate]:
+def refined(
+    inputs: Inputs, candidates: list[Candidate], hw: Hardware, limit: int, level: str = "fast"
+) -> list[Candidate]:
     """The best tensor-parallel candidates that fit, improved one weight at a time: each matmul
     weight in program order tries every split over model (and none), priced, and keeps the
     cheapest that fits. The tactics read Megatron's alternation from the graph; where a program
     breaks it (a fused QKV projection cut by `jnp.split`, a router beside the experts), this is
-    what finds the split an engineer would choose. On each of the REFINED_TP best meshes, from
-    its best candidate without FSDP and its best with (FSDP kept on every trial)."""
+    what finds the split an engineer would choose. From the best candidate without FSDP and the
+    best with (FSDP kept on every trial) on the best mesh at the fast level, each within
+    REFINE_REACH of the best candidate that fits; at the thorough level on each of the REFINED_TP
+    best meshes, and on those the fast level would refine."""
+    fitting = [c.cost.total_seconds for c in candidates if c.cost.peak_bytes_per_device <= limit]
+    reach = REFINE_REACH * min(fitting) if level == "fast" and fitting else math.inf
     tp = sorted(
-        (c for c in candidates if c.mesh["model"] > 1 and c.cost.peak_bytes_per_device <= limit),
+        (
+            c
+            for c in candidates
+            if c.mesh["model"] > 1 and c.cost.peak_bytes_per_device <= limit and c.cost.total_seconds <= reach
+        ),
         key=lambda c: c.cost.total_seconds,
     )
+    pools = [(tp, 1)] if level == "fast" else [(tp, REFINED_TP), ([c for c in tp if fast_mesh(c.mesh, hw)], 1)]
     starts: dict[tuple, Candidate] = {}
-    for pool in (tp, [c for c in tp if fast_mesh(c.mesh, hw)]):  # (thorough: what fast refines too)
-        meshes = list(dict.fromkeys(tuple(c.mesh.items()) for c in pool))[:REFINED_TP]
+    for pool, count in pools:
+        meshes = list(dict.fromkeys(tuple(c.mesh.items()) for c in pool))[:count]
         for c in pool:
             if tuple(c.mesh.items()) in meshes:
                 starts.setdefault((tuple(c.mesh.items()), "fsdp" in c.tactic), c)
     return [_refine(inputs, c, hw, limit, fsdp) for (_, fsdp), c in starts.items()]
 
 
-REFINED_TP = 2  # meshes whose best tensor-parallel candidates are refined
+REFINED_TP = 2  # meshes whose best tensor-parallel candidates the thorough level refines
+REFINE_REACH = 1.25  # the fast level refines a start at most this much slower than the best (as `search.CLOSE`)
 
 
 def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bool) -> Candidate:
@@ -419,13 +452,15 @@ def _megatron(
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
     column: set[int] = set()  # matmuls whose weight went column-parallel
-    weights, feeders = weights_in_order(inputs), inputs.feeders
-    prop = propagate(g, {**batch}, mesh)
+    weights, feeders, upstream = weights_in_order(inputs), inputs.feeders, inputs.upstream
+    prop, pending = propagate(g, {**batch}, mesh), set()  # matmuls decided since `prop`
     for weight in weights:
         op, k, w = weight.op, weight.k, weight.value
+        if pending & upstream[op.id]:  # (a decision that cannot reach this activation changes nothing here)
+            prop, pending = propagate(g, {**batch, **chosen}, mesh, first=batch), set()
         if preset and w in preset:
             chosen[w] = preset[w]
-            prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
+            pending.add(op.id)
             continue
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
@@ -449,7 +484,7 @@ def _megatron(
         if kind(w_dims[dims[0]]) is FactorKind.PASS:
             column.add(op.id)
         chosen[w] = weight.sharding(split_over(shape, dims[0], "model"))
-        prop = propagate(g, {**batch, **chosen}, mesh, first=batch)
+        pending.add(op.id)
     return chosen
 
 
@@ -457,11 +492,25 @@ def _feeders(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:
     """Per weight's matmul, the weights' matmuls whose results reach its activation through ops
     that multiply by no weight (attention, norms, a split, a residual add), and are at least as
     large as it (the stream it consumes, not a router's gates beside it)."""
+    out = {}
+    for w, reached in zip(weights, _reaching(g, weights, through_weights=False)):
+        size = g.values[w.op.operands[1 - w.k]].nbytes
+        out[w.op.id] = {op.id for op, v in reached if g.values[v].nbytes >= size}
+    return out
+
+
+def _upstream(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:
+    return {w.op.id: {op.id for op, _ in reached} for w, reached in zip(weights, _reaching(g, weights, True))}
+
+
+def _reaching(g: Graph, weights: list[Weight], through_weights: bool) -> list[list[tuple[Op, int]]]:
+    """Per weight, the weights' matmuls its activation is computed from, each with the value it
+    made on the way: the nearest only, or (`through_weights`) every one."""
     mine = {w.op.id for w in weights}
     producer = {r: op for op in g.ops for r in op.results}
-    out = {}
+    out = []
     for w in weights:
-        found, seen, stack = set(), set(), [w.op.operands[1 - w.k]]
+        found, seen, stack = [], set(), [w.op.operands[1 - w.k]]
         while stack:
             v = stack.pop()
             if v < 0 or v in seen or v not in producer:
@@ -469,11 +518,11 @@ def _feeders(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:
             seen.add(v)
             op = producer[v]
             if op.id in mine:
-                if g.values[v].nbytes >= g.values[w.op.operands[1 - w.k]].nbytes:
-                    found.add(op.id)
-            else:
-                stack.extend(op.operands)
-        out[w.op.id] = found
+                found.append((op, v))
+                if not through_weights:
+                    continue
+            stack.extend(op.operands)
+        out.append(found)
     return out
 
 
