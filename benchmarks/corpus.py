@@ -9,9 +9,11 @@ devices and priced from what XLA produced with the h100 profile (`partitioner.ve
 predicted and compiled collective bytes and peak memory (Markdown, one table per model).
 `depth`: `search(..., devices=1024, level="fast")` wall time, capture included, at 12 and 96
 layers, median of 3 runs each, alternating, in this process; the guard is off (1,024 devices are
-not here to compile on). `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU
-28672) of 96 layers under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for
-1,024 H100s: devices used, peak against the limit, plan time.
+not here to compile on). Beside it, one 96-layer search with `shallow_trace=False` (the whole
+step traced: the baseline), and whether its plan and predicted cost equal the shallow one's.
+`large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
+under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
+used, peak against the limit, plan time.
 """
 
 from __future__ import annotations
@@ -38,19 +40,36 @@ def depth(names) -> None:
     from partitioner.search import search
     from tests.corpus import LOOPED, SCANNED, load
 
+    print(
+        "| model | 12 layers (s) | 96 layers (s) | 96 / 12 | 96, whole trace (s) | same plan and cost | 96 layers: where the time went |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name in names or (LOOPED + SCANNED):
         module, options = load(name)
         times = {12: [], 96: []}
-        notes = {}
+        plans = {}
         for _ in range(3):
             for layers in times:
                 fn, args = module.build(layers=layers, **options)
                 t = time.perf_counter()
-                plan, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+                plans[layers], _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False)
                 times[layers].append(time.perf_counter() - t)
-                notes[layers] = plan.notes[-1]
+        fn, args = module.build(layers=96, **options)
+        t = time.perf_counter()
+        whole, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False, shallow_trace=False)
+        whole_seconds = time.perf_counter() - t
+        same = (whole.mesh, whole.in_specs, whole.out_specs, whole.cost) == (
+            plans[96].mesh,
+            plans[96].in_specs,
+            plans[96].out_specs,
+            plans[96].cost,
+        )
         m12, m96 = statistics.median(times[12]), statistics.median(times[96])
-        print(f"| {name} | {m12:.2f} | {m96:.2f} | {m96 / m12:.2f} | {notes[96]} |", flush=True)
+        print(
+            f"| {name} | {m12:.2f} | {m96:.2f} | {m96 / m12:.2f} | {whole_seconds:.2f} | {'yes' if same else 'NO'} "
+            f"| {plans[96].notes[-1]} |",
+            flush=True,
+        )
 
 
 def large() -> None:

@@ -60,7 +60,7 @@ def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
             slot = _slot(k)
             if slot is not None:
                 prefix, index = slot
-                rest = (names[j + 1 :], tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", "")))
+                rest = (names[j + 1 :], tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None))
                 members.setdefault((names[:j], prefix), {}).setdefault(index, []).append(rest)
     found = []
     for (path, prefix), by_index in members.items():
