@@ -19,6 +19,7 @@ traced whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections import Counter
@@ -55,7 +56,7 @@ def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
     ShapeDtypeStructs), at least `min_depth` deep."""
     members: dict[tuple, dict[int, list]] = {}
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = tuple(key_name(k) for k in keys)
+        names = _names(keys)
         for j, k in enumerate(keys):
             slot = _slot(k)
             if slot is not None:
@@ -163,7 +164,10 @@ def source_leaves(full, shallow, found: Sequence[Stack], depth: int) -> list[int
 
 
 def _names(keys) -> tuple[str, ...]:
-    return tuple(key_name(k) for k in keys)
+    return tuple(map(_name, keys))
+
+
+_name = functools.lru_cache(maxsize=1 << 16)(key_name)  # (a deep model's ~10^4 leaves share a few hundred keys)
 
 
 @dataclasses.dataclass
@@ -360,10 +364,11 @@ def _deep_outputs(out1, out2, values2: Sequence[int], depth: int):
     """(value per output leaf, output tree) of the depth-L step: the deeper trace's outputs with
     each stack that grew from one trace to the other grown to `depth`."""
     a, b = SHALLOW
+    shallower = stacks(out1, min_depth=a)
     grown = [
         dataclasses.replace(s, depth=depth)
         for s in stacks(out2, min_depth=b)
-        if s.depth == b and dataclasses.replace(s, depth=a) in stacks(out1, min_depth=a)
+        if s.depth == b and dataclasses.replace(s, depth=a) in shallower
     ]
     tree = resized(out2, grown, depth) if grown else out2
     if tree is None:
