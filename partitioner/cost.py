@@ -87,7 +87,14 @@ COMBINE_BYTES = 32 << 20  # about what XLA's all-reduce combiner packs into one 
 
 def _off_the_matmul_path(graph: Graph) -> set[int]:
     """Values no matmul depends on (a weight gradient on its way to the optimizer): nothing waits
-    for their collectives, so independent ones are combined into few large ones."""
+    for their collectives, so independent ones are combined into few large ones. (Found once
+    per graph: every candidate asks.)"""
+    if graph._off_path is None:
+        graph._off_path = _off_path(graph)
+    return graph._off_path
+
+
+def _off_path(graph: Graph) -> set[int]:
     feeds: set[int] = set()
     for _ in range(4):  # a folded graph's ties carry one copy's output into the next copy's ops
         before = len(feeds)

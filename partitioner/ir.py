@@ -101,6 +101,7 @@ class Graph:
     _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
     _first_stage: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # (`propagate`)
+    _off_path: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one
