@@ -105,3 +105,16 @@ def test_plan_jit_keeps_a_carried_state_in_place_without_tracing_for_outputs(gpt
     mesh = plan.bind(devices8)
     assert jax.tree.leaves(state_out) == jax.tree.leaves(plan.shardings(mesh, state, argnum=0))
     assert all(s.spec == P() for s in jax.tree.leaves(metrics_out))
+
+
+def test_fast_level_fills_the_cluster_with_model_within_a_host(gpt):
+    from partitioner.hardware import profile
+    from partitioner.tactics import mesh_shapes, read_inputs
+
+    program, state, batch = gpt
+    hw = profile("h100")
+    meshes = mesh_shapes(1024, read_inputs(program.step, (state, batch), None), hw, "fast")
+    whole = [m for m in meshes if m["data"] * m["seq"] * m["model"] == 1024]
+    assert whole, "with a batch of 24 no mesh of 1,024 devices was priced"
+    assert all(m["model"] <= hw.devices_per_host for m in whole), whole
+    assert {m["data"] for m in whole} == {8, 4}  # the two largest data axes a batch of 24 allows on 1,024
