@@ -193,8 +193,7 @@ class Deepened:
         return self.deep.of(value)
 
     def _line(self, at_shallow: float, at_deep: float) -> int:
-        a, b, depth = self.depths
-        return int(round(at_deep + (depth - b) * (at_deep - at_shallow) / (b - a)))
+        return int(round(_along(at_shallow, at_deep, self.depths)))
 
     def _mapped(self, device_bytes: Mapping[int, int]) -> dict[int, int]:
         m = self.to_shallow
@@ -215,8 +214,7 @@ class Deepened:
         if profile_a is None or profile_b is None:
             return fixed
         at_a, at_b = self.times
-        a, b, depth = self.depths
-        profile = profile_b[at_b] + (depth - b) * (profile_b[at_b] - profile_a[at_a]) / (b - a)
+        profile = _along(profile_a[at_a], profile_b[at_b], self.depths)
         top = np.argpartition(-profile, min(memory.CANDIDATE_TIMES, len(profile) - 1))[: memory.CANDIDATE_TIMES]
         heaps = []
         for i in top:
@@ -281,14 +279,21 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
     outputs = _deep_outputs(g1.out_shape, g2.out_shape, f2.graph.outputs, depth)
     if sources is None or outputs is None:
         return None
-    a, b = SHALLOW
-    line = lambda x1, x2: x2 + (depth - b) * (x2 - x1) // (b - a)  # noqa: E731
+    depths = (*SHALLOW, depth)
+    line = lambda x1, x2: int(round(_along(x1, x2, depths)))  # noqa: E731
     mult = [line(m1, m2) for m1, m2 in zip(f1.mult, f2.mult)]
     if any(m < 0 for m in mult):
         return None
     graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=outputs[1])
-    deep = Deepened(f1, f2, graph, mult, to_shallow, (a, b, depth), times, line(f1.original_ops, f2.original_ops))
+    deep = Deepened(f1, f2, graph, mult, to_shallow, depths, times, line(f1.original_ops, f2.original_ops))
     return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, folding)
+
+
+def _along(at_a, at_b, depths: tuple[int, int, int]):
+    """A quantity at the step's depth, from its values at the two traced depths (numbers or arrays):
+    the line through them."""
+    a, b, depth = depths
+    return at_b + (depth - b) * (at_b - at_a) / (b - a)
 
 
 def _same_graph(g1: Graph, g2: Graph) -> dict[int, int] | None:

@@ -56,11 +56,6 @@ class Fold:
         """`memory.heap` of the unrolled program, as `peak_bytes` reads it."""
         return memory.heap(*self._sized(device_bytes, held), copies)
 
-    @property
-    def timeline(self) -> int:
-        """Ops of the unrolled program's timeline."""
-        return self._life.end
-
     def _sized(self, device_bytes: Mapping[int, int], held) -> tuple:
         per_rep = np.zeros(len(self.rep), dtype=np.float64)
         for v, n in device_bytes.items():
