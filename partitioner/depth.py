@@ -11,16 +11,15 @@ planned for all, op for op; every quantity the search prices is then affine in t
 depth-L fold (`Deepened`) is the deeper shallow fold with each op's multiplicity, and each peak
 the memory model computes, extended along the line through the two.
 
-A step that reads its depth elsewhere (a closed-over Flax NNX graphdef or Equinox static part, a
-range over a config's layer count) fails to trace shallow, or folds to different graphs, and is
-traced whole.
+What the step closes over is cut alike where it holds the depth as people hold it
+(`stacks.with_free_variables_resized`): Equinox's static half of the model, a Flax NNX graphdef,
+a Flax Linen module's or a config's layer count. A step that reads its depth elsewhere (a module
+constant) fails to trace shallow, or folds to different graphs, and is traced whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -29,145 +28,13 @@ import jax
 import numpy as np
 
 from . import memory
-from .arguments import key_name
 from .capture import capture
 from .fold import MIN_PERIOD, Fold, fold
 from .ir import CaptureError, Graph
 from .repeats import find_repeats, repeats, signature_ids
+from .stacks import key_names, resized, source_leaves, stacks, with_free_variables_resized
 
 SHALLOW = (3, 4)  # layers per stack in the two traces
-MIN_DEPTH = 8  # a shallower stack is traced whole: the two traces would cost as much
-
-_MEMBER = re.compile(r"^(.*?)(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """Members 0..depth-1 of a container at `path` (key names): a sequence's items
-    (`prefix` None) or a dict's entries named `prefix` + index."""
-
-    path: tuple[str, ...]
-    prefix: str | None
-    depth: int
-
-
-def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
-    """The outermost stacks of identically shaped members in `tree` (a pytree of arrays or
-    ShapeDtypeStructs), at least `min_depth` deep."""
-    members: dict[tuple, dict[int, list]] = {}
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = _names(keys)
-        for j, k in enumerate(keys):
-            slot = _slot(k)
-            if slot is not None:
-                prefix, index = slot
-                rest = (names[j + 1 :], tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None))
-                members.setdefault((names[:j], prefix), {}).setdefault(index, []).append(rest)
-    found = []
-    for (path, prefix), by_index in members.items():
-        n = len(by_index)
-        first = by_index.get(0)
-        if n >= min_depth and set(by_index) == set(range(n)) and all(by_index[i] == first for i in range(n)):
-            found.append(Stack(path, prefix, n))
-    return [s for s in found if not any(_inside(s, t) for t in found if t is not s)]
-
-
-def _slot(key) -> tuple[str | None, int] | None:
-    """(prefix, index) where `key` names a stack member: a sequence index, or a dict key that is
-    an integer or ends in one."""
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return None, key.idx
-    if isinstance(key, jax.tree_util.DictKey):
-        if isinstance(key.key, int):
-            return "", key.key
-        m = _MEMBER.match(str(key.key))
-        if m:
-            return m.group(1), int(m.group(2))
-    return None
-
-
-def _inside(s: Stack, t: Stack) -> bool:
-    """Whether `s` lies within a member of `t`."""
-    return len(s.path) > len(t.path) and s.path[: len(t.path)] == t.path and _index(t, s.path[len(t.path)]) is not None
-
-
-def _index(s: Stack, name: str) -> int | None:
-    """The member index a key name denotes in `s`'s container, or None."""
-    if s.prefix is None:
-        return int(name) if name.isdigit() else None
-    m = _MEMBER.match(name)
-    return int(m.group(2)) if m and m.group(1) == s.prefix else None
-
-
-def resized(tree, found: Sequence[Stack], depth: int):
-    """`tree` with every stack in `found` cut to its first `depth` members, or grown to `depth`
-    by repeating its last. None where a stack's container is of a kind this cannot rebuild (only
-    lists, tuples and dicts are)."""
-    try:
-        return _resized(tree, found, depth, ())
-    except _Unbuildable:
-        return None
-
-
-class _Unbuildable(Exception):
-    pass
-
-
-def _resized(tree, found: Sequence[Stack], depth: int, path: tuple[str, ...]):
-    here = [s for s in found if s.path == path]
-    if here:
-        return _resized_container(tree, here[0], found, depth, path)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda y: y is not tree)
-    if len(flat) == 1 and flat[0][0] == ():
-        return tree  # a leaf
-    children = [_resized(child, found, depth, path + (key_name(keys[0]),)) for keys, child in flat]
-    return jax.tree_util.tree_unflatten(treedef, children)
-
-
-def _resized_container(tree, s: Stack, found, depth: int, path):
-    if s.prefix is None and type(tree) in (list, tuple):
-        items = list(tree[:depth]) + [tree[-1]] * max(0, depth - len(tree))
-        return type(tree)(_resized(c, found, depth, path + (str(i),)) for i, c in enumerate(items))
-    if s.prefix is None or type(tree) is not dict:
-        raise _Unbuildable(path)
-    members = {_index(s, str(k)): k for k in tree if _index(s, str(k)) is not None}
-    last = members[max(members)]
-    name = (lambda i: i) if isinstance(last, int) else (lambda i: f"{s.prefix}{i}")
-    out = {
-        k: _resized(child, found, depth, path + (str(k),))
-        for k, child in tree.items()
-        if _index(s, str(k)) is None or _index(s, str(k)) < depth
-    }
-    for i in range(len(members), depth):
-        out[name(i)] = _resized(tree[last], found, depth, path + (str(name(i)),))
-    return out
-
-
-def source_leaves(full, shallow, found: Sequence[Stack], depth: int) -> list[int] | None:
-    """Per leaf of `full`, the index of the leaf of `shallow` (the same tree with its stacks
-    `depth` deep) that stands for it: a member beyond the shallow ones is its last member."""
-    index = {_names(keys): i for i, (keys, _) in enumerate(jax.tree_util.tree_flatten_with_path(shallow)[0])}
-    out = []
-    for keys, _ in jax.tree_util.tree_flatten_with_path(full)[0]:
-        names = list(_names(keys))
-        for s in found:
-            n = len(s.path)
-            if tuple(names[:n]) == s.path and len(names) > n:
-                i = _index(s, names[n])
-                if i is not None and i >= depth:
-                    names[n] = names[n][: len(names[n]) - len(str(i))] + str(depth - 1)
-        src = index.get(tuple(names))
-        if src is None:
-            return None
-        out.append(src)
-    return out
-
-
-def _names(keys) -> tuple[str, ...]:
-    return tuple(map(_name, keys))
-
-
-_name = functools.lru_cache(maxsize=1 << 16)(key_name)  # (a deep model's ~10^4 leaves share a few hundred keys)
 
 
 @dataclasses.dataclass
@@ -181,6 +48,7 @@ class Deepened:
     graph: Graph  # the deeper fold's, its outputs those of the depth-L step
     mult: list[int]
     to_shallow: dict[int, int]  # the deeper fold's value ids -> the shallower's
+    unmatched: dict[int, int]  # the shallower fold's values (on scalars) no deeper one maps to -> bytes
     depths: tuple[int, int, int]  # the two traced, and the step's
     times: tuple[np.ndarray, np.ndarray]  # times of the two timelines that match (`_landmarks`)
     original_ops: int
@@ -197,7 +65,7 @@ class Deepened:
 
     def _mapped(self, device_bytes: Mapping[int, int]) -> dict[int, int]:
         m = self.to_shallow
-        return {m[v]: n for v, n in device_bytes.items() if v in m}
+        return {m[v]: n for v, n in device_bytes.items() if v in m} | self.unmatched
 
     def peak_bytes(self, device_bytes: Mapping[int, int], held=frozenset(), copies: bool = False) -> int:
         """`Fold.peak_bytes` at the step's depth. The peak itself is not affine in the depth (which
@@ -262,30 +130,32 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
         if args is None:
             return None
         try:
-            graph = capture(fn, *args, compact=True)
+            graph = capture(with_free_variables_resized(fn, found, depth, k, abstract), *args, compact=True)
         except CaptureError:
             return None
-        keys = [_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        keys = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         leaves = graph.inputs[len(graph.inputs) - len(keys) :]
         t = time.perf_counter()
         traced.append((args, graph, leaves, fold(graph, keys, leaves)))
         folding += time.perf_counter() - t
     (_, g1, _, f1), (args2, g2, leaves2, f2) = traced
-    to_shallow = _same_graph(f1.graph, f2.graph)
+    matched = _same_graph(f1.graph, f2.graph)
     times = _matched_times(g1, g2)
-    if to_shallow is None or times is None:
+    if matched is None or times is None:
         return None
+    to_shallow, of_shallow = matched
     sources = source_leaves(abstract, args2, found, SHALLOW[1])
     outputs = _deep_outputs(g1.out_shape, g2.out_shape, f2.graph.outputs, depth)
     if sources is None or outputs is None:
         return None
     depths = (*SHALLOW, depth)
     line = lambda x1, x2: int(round(_along(x1, x2, depths)))  # noqa: E731
-    mult = [line(m1, m2) for m1, m2 in zip(f1.mult, f2.mult)]
+    mult = _deep_mult(f1.mult, f2.mult, of_shallow, line)
     if any(m < 0 for m in mult):
         return None
     graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=outputs[1])
-    deep = Deepened(f1, f2, graph, mult, to_shallow, depths, times, line(f1.original_ops, f2.original_ops))
+    unmatched = _unmatched_scalars(f1.graph, of_shallow)
+    deep = Deepened(f1, f2, graph, mult, to_shallow, unmatched, depths, times, line(f1.original_ops, f2.original_ops))
     return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, folding)
 
 
@@ -296,30 +166,74 @@ def _along(at_a, at_b, depths: tuple[int, int, int]):
     return at_b + (depth - b) * (at_b - at_a) / (b - a)
 
 
-def _same_graph(g1: Graph, g2: Graph) -> dict[int, int] | None:
-    """Where two folded graphs are the same computation op for op: g2's value ids -> g1's."""
-    if len(g1.ops) != len(g2.ops) or len(g1.inputs) != len(g2.inputs):
+def _same_graph(g1: Graph, g2: Graph) -> tuple[dict[int, int], list[int | None]] | None:
+    """Where two folded graphs are the same computation op for op: (g2's value ids -> g1's, per
+    op of g2 the op of g1 it is). Ops on scalars alone may differ: a chain of scalar adds (a
+    global norm's sum over every leaf) grows by a few links a layer, and how a fold cuts it
+    into periods depends on its length. So may ties (values that only share a sharding), where
+    capture replays the layers in other runs at the two depths. Neither computes anything that
+    a sharding changes, and g2's have no match."""
+    if len(g1.inputs) != len(g2.inputs):
+        return None
+    ops1, ops2 = g1.ops, g2.ops
+    if len(ops1) != len(ops2) or any(_sig(o1, g1) != _sig(o2, g2) for o1, o2 in zip(ops1, ops2)):
+        ops1 = [o for o in ops1 if not _may_differ(o, g1)]
+        ops2 = [o for o in ops2 if not _may_differ(o, g2)]
+    if len(ops1) != len(ops2):
         return None
     out = dict(zip(g2.inputs, g1.inputs))
-    for o1, o2 in zip(g1.ops, g2.ops):
-        if o1.signature(g1.values) != o2.signature(g2.values) or len(o1.results) != len(o2.results):
+    of_shallow: list[int | None] = [None] * len(g2.ops)
+    for o1, o2 in zip(ops1, ops2):
+        if _sig(o1, g1) != _sig(o2, g2):
             return None
         out.update(zip(o2.results, o1.results))
-    return out
+        of_shallow[o2.id] = o1.id
+    return out, of_shallow
+
+
+def _sig(op, graph: Graph) -> tuple:
+    return op.signature(graph.values), len(op.results)
+
+
+def _may_differ(op, graph: Graph) -> bool:
+    return op.primitive == "tie" or _on_scalars(op, graph)
+
+
+def _on_scalars(op, graph: Graph) -> bool:
+    return all(graph.values[v].shape == () for v in (*op.operands, *op.results) if v >= 0)
+
+
+def _unmatched_scalars(g1: Graph, of_shallow: Sequence[int | None]) -> dict[int, int]:
+    """The results of g1's ops that no op of g2 matched (ops on scalars alone, a scalar whole on
+    every device; ties have none) -> their bytes."""
+    matched = set(of_shallow)
+    return {v: g1.values[v].nbytes for op in g1.ops if op.id not in matched for v in op.results}
+
+
+def _deep_mult(mult1: Sequence[int], mult2: Sequence[int], of_shallow: Sequence[int | None], line) -> list[int]:
+    """Each deeper op's multiplicity at the step's depth: along the line through its match's and
+    its own; ops without a match (`_same_graph`) share the line of their total."""
+    alone2 = sum(m for m, o in zip(mult2, of_shallow) if o is None)
+    matched1 = {o for o in of_shallow if o is not None}
+    alone1 = sum(m for i, m in enumerate(mult1) if i not in matched1)
+    scale = line(alone1, alone2) / alone2 if alone2 else 1.0
+    return [line(mult1[o], m) if o is not None else int(round(m * scale)) for m, o in zip(mult2, of_shallow)]
 
 
 def _matched_times(g1: Graph, g2: Graph) -> tuple[np.ndarray, np.ndarray] | None:
     """The times of two shallow timelines that stand for the same moment of any deeper one: by
     the runs of repeated blocks that capture built and replayed, or else by those found on the
-    timelines themselves (the two can cut the same repeats differently)."""
-    for landmarks in (_built_landmarks, _timeline_landmarks):
-        k1, k2 = landmarks(g1), landmarks(g2)
-        if k1 is not None and k2 is not None and k1.keys() == k2.keys():
-            return np.array(list(k1.values()), dtype=np.int64), np.array([k2[k] for k in k1], dtype=np.int64)
+    timelines themselves (the two can cut the same repeats differently); at the last, with the
+    ops on scalars alone left out (`_same_graph`)."""
+    for skip_scalars in (False, True):
+        for landmarks in (_built_landmarks, _timeline_landmarks):
+            k1, k2 = landmarks(g1, skip_scalars), landmarks(g2, skip_scalars)
+            if k1 is not None and k2 is not None and k1.keys() == k2.keys():
+                return np.array(list(k1.values()), dtype=np.int64), np.array([k2[k] for k in k1], dtype=np.int64)
     return None
 
 
-def _built_landmarks(graph: Graph) -> dict[tuple, int] | None:
+def _built_landmarks(graph: Graph, skip_scalars: bool) -> dict[tuple, int] | None:
     """`_landmarks` of the runs capture built (`find_repeats`) extended by their replayed
     copies; None where a run is not contiguous in time."""
     t = memory.table(graph)
@@ -338,24 +252,38 @@ def _built_landmarks(graph: Graph) -> dict[tuple, int] | None:
     spans = [(start, start + period * copies, period) for start, period, copies in sorted(runs.values())]
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return None
-    return _landmarks(spans, t.end)
+    return _landmarks(spans, t.end, _scalar_times(graph, t) if skip_scalars else None)
 
 
-def _timeline_landmarks(graph: Graph) -> dict[tuple, int]:
-    """`_landmarks` of the runs of repeated blocks found on the unrolled timeline."""
+def _timeline_landmarks(graph: Graph, skip_scalars: bool) -> dict[tuple, int]:
+    """`_landmarks` of the runs of repeated blocks found on the unrolled timeline, of at least
+    as many copies as the shallower trace has layers: a pair of layer runs and what lies between
+    them can repeat twice, and would be found in place of the runs at one depth and not at the
+    other (a run of layers under `jax.checkpoint` and its recomputation)."""
     t = memory.table(graph)
     order = np.argsort(t.time, kind="stable")
     sigs = np.asarray(signature_ids(graph), dtype=np.int64)[t.source[order]]
     anchor = [graph.ops[i].primitive == "dot_general" for i in t.source[order].tolist()]
-    return _landmarks([(r.start, r.stop, r.period) for r in repeats(sigs, anchor, 2, MIN_PERIOD)], t.end)
+    spans = [(r.start, r.stop, r.period) for r in repeats(sigs, anchor, SHALLOW[0], MIN_PERIOD)]
+    return _landmarks(spans, t.end, _scalar_times(graph, t) if skip_scalars else None)
 
 
-def _landmarks(spans: list[tuple[int, int, int]], end: int) -> dict[tuple, int]:
+def _scalar_times(graph: Graph, t: memory.Table) -> np.ndarray:
+    """Per time of the unrolled timeline, whether its op is on scalars alone."""
+    on_scalars = np.array([_on_scalars(op, graph) for op in graph.ops], dtype=bool)
+    out = np.zeros(t.end, dtype=bool)
+    out[t.time] = on_scalars[t.source]
+    return out
+
+
+def _landmarks(spans: list[tuple[int, int, int]], end: int, skip: np.ndarray | None = None) -> dict[tuple, int]:
     """Times of a timeline by what they are, given its runs of repeated blocks (start, stop,
     period): the n-th op outside the runs, or op i of the first or last copy of the n-th run (a
-    run's middle copies differ between depths)."""
+    run's middle copies differ between depths). Times in `skip`, and runs wholly in it, are left
+    out."""
     keys: dict[tuple, int] = {}
-    covered = np.zeros(end, dtype=bool)
+    covered = np.zeros(end, dtype=bool) if skip is None else skip.copy()
+    spans = [sp for sp in spans if skip is None or not skip[sp[0] : sp[1]].all()]
     for n, (start, stop, period) in enumerate(spans):
         covered[start:stop] = True
         for i in range(period):

@@ -128,6 +128,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
                 _pair(parent, pairs, is_input, op_k.operands, op_0.operands, copies)
     if keys is not None and input_ids is not None:
         _merge_mirrors(graph, parent, keys, input_ids)
+        _merge_untouched(graph, parent, keys, input_ids)
     kept, seen = [], {}
     # Constants (ops on literals only) stay one per use, since each use may want its own
     # sharding; equal ones hash alike, so the ops that read them can still be duplicates.
@@ -215,6 +216,24 @@ def _merge_mirrors(graph: Graph, parent: list[int], keys, input_ids) -> None:
                 break
 
 
+def _merge_untouched(graph: Graph, parent: list[int], keys, input_ids) -> None:
+    """Arguments no op reads (an optimizer's placeholders, returned as they came: Adafactor keeps
+    a `(1,)` for each unfactored leaf) join their fellows in the other layers, those at the same
+    path but for the layer's index, so that a deeper model holds no more of them once folded."""
+    read = {v for op in graph.ops for v in op.operands}
+    for c in graph.copies:
+        read.update(c.free_ids.ravel().tolist())
+    first: dict[tuple, int] = {}
+    for v, k in zip(input_ids, keys):
+        if v in read:
+            continue
+        value = graph.values[v]
+        u = first.setdefault((value.shape, value.dtype, tuple("#" if n.isdigit() else n for n in k)), v)
+        a, b = _find(parent, v), _find(parent, u)
+        if a != b:
+            parent[a] = b
+
+
 def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.ndarray) -> Fold:
     rep = _roots(parent)
     rep_list = rep.tolist()
@@ -239,7 +258,7 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.
     ends = rep[p[:, :2]]
     differ = ends[:, 0] != ends[:, 1]  # most pairs are one value once folded
     for (a, b), copies in zip(ends[differ].tolist(), p[differ, 2].tolist()):
-        if graph.values[a].shape == graph.values[b].shape:
+        if graph.values[a].shape == graph.values[b].shape != ():  # (a scalar has no sharding to share)
             ties[(a, b)] = max(ties.get((a, b), 0), copies)
     for (a, b), copies in ties.items():
         ops.append(_tie(len(ops), a, b, graph.values[a].shape))

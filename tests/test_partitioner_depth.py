@@ -1,13 +1,13 @@
 """A deep stack of layers planned from two shallow traces (`partitioner.depth`): the stacks found
-in arguments as people hold them, cut and grown, and every candidate priced from the shallow
-traces exactly as from one trace of the whole step; a step that reads its depth elsewhere is
-traced whole."""
+in arguments as people hold them (`partitioner.stacks`), cut and grown with what the step closes
+over, and every candidate priced from the shallow traces as from one trace of the whole step; a
+step that reads its depth elsewhere is traced whole."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from partitioner import depth
+from partitioner import depth, stacks
 from partitioner.hardware import profile
 from partitioner.tactics import read_inputs, tactic_candidates
 from tests.corpus import load
@@ -26,7 +26,7 @@ def test_stacks_are_found_in_lists_int_keys_and_numbered_names():
         "by_index": {i: layer() for i in range(9)},
         "mlp": {"w1": S((4, 4), jnp.float32), "w2": S((4, 4), jnp.float32), "w3": S((4, 4), jnp.float32)},
     }
-    found = sorted(depth.stacks((tree,)), key=lambda s: s.path)
+    found = sorted(stacks.stacks((tree,)), key=lambda s: s.path)
     assert [(s.path, s.prefix, s.depth) for s in found] == [
         (("0", "blocks"), None, 9),
         (("0", "by_index"), "", 9),
@@ -36,20 +36,20 @@ def test_stacks_are_found_in_lists_int_keys_and_numbered_names():
 
 def test_members_that_differ_or_are_few_are_no_stack():
     unlike = [layer() for _ in range(8)] + [layer(32)]
-    assert depth.stacks((unlike,)) == []
-    assert depth.stacks(([layer() for _ in range(depth.MIN_DEPTH - 1)],)) == []
+    assert stacks.stacks((unlike,)) == []
+    assert stacks.stacks(([layer() for _ in range(stacks.MIN_DEPTH - 1)],)) == []
     nested = [{"experts": [layer() for _ in range(9)]} for _ in range(9)]
-    assert [s.path for s in depth.stacks((nested,))] == [("0",)]  # the outermost only
+    assert [s.path for s in stacks.stacks((nested,))] == [("0",)]  # the outermost only
 
 
 def test_resized_cuts_and_grows_and_maps_leaves_back():
     tree = {"decoder": {f"layers_{i}": layer() for i in range(9)} | {"norm": S((16,), jnp.float32)}, "h": [1.0] * 9}
-    found = depth.stacks((tree,), min_depth=8)
-    cut = depth.resized((tree,), found, 3)[0]
+    found = stacks.stacks((tree,), min_depth=8)
+    cut = stacks.resized((tree,), found, 3)[0]
     assert sorted(cut["decoder"]) == ["layers_0", "layers_1", "layers_2", "norm"] and len(cut["h"]) == 3
-    grown = depth.resized((cut,), [depth.Stack(s.path, s.prefix, 3) for s in found], 5)[0]
+    grown = stacks.resized((cut,), [stacks.Stack(s.path, s.prefix, 3) for s in found], 5)[0]
     assert "layers_4" in grown["decoder"] and len(grown["h"]) == 5
-    sources = depth.source_leaves((tree,), (cut,), found, 3)
+    sources = stacks.source_leaves((tree,), (cut,), found, 3)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path((cut,))[0]]
     full = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path((tree,))[0]]
     for f, s in zip(full, sources):
@@ -57,8 +57,12 @@ def test_resized_cuts_and_grows_and_maps_leaves_back():
             assert names[s] == f.replace("layers_7", "layers_2")
 
 
-@pytest.mark.parametrize("name", ["llama-maxtext", "llama-gqa-repeat"])
-def test_shallow_traces_price_every_candidate_as_the_whole_step(name, monkeypatch):
+MESHES = ({"data": 8, "seq": 1, "model": 1}, {"data": 2, "seq": 1, "model": 4})
+
+
+def _priced_both_ways(name, monkeypatch) -> list[tuple[dict, dict]]:
+    """Per mesh of MESHES, every candidate's cost (tactic -> cost) for a corpus model of 10
+    layers, planned from shallow traces and from a trace of the whole step."""
     module, options = load(name)
     fn, args = module.build(layers=10, **options)
     hw = profile("h100")
@@ -67,20 +71,72 @@ def test_shallow_traces_price_every_candidate_as_the_whole_step(name, monkeypatc
     monkeypatch.setattr(depth, "shallow", lambda fn, abstract: None)
     whole = read_inputs(fn, args, None)
     assert shallow.fold.original_ops == whole.fold.original_ops
-    for mesh in ({"data": 8, "seq": 1, "model": 1}, {"data": 2, "seq": 1, "model": 4}):
-        priced = [{c.tactic: c.cost for c in tactic_candidates(i, mesh, hw)} for i in (shallow, whole)]
-        assert priced[0] == priced[1], mesh
+    return [
+        tuple({c.tactic: c.cost for c in tactic_candidates(i, mesh, hw)} for i in (shallow, whole)) for mesh in MESHES
+    ]
+
+
+@pytest.mark.parametrize("name", ["llama-maxtext", "llama-gqa-repeat"])
+def test_shallow_traces_price_every_candidate_as_the_whole_step(name, monkeypatch):
+    for mesh, (shallow, whole) in zip(MESHES, _priced_both_ways(name, monkeypatch)):
+        assert shallow == whole, mesh
+
+
+@pytest.mark.parametrize("name", ["vit", "equinox-gpt", "nnx-llama"])
+def test_a_depth_held_outside_the_arguments_is_cut_alike(name, monkeypatch):
+    """ViT (Flax Linen) loops over its module's `layers` field, Equinox combines its arguments with
+    the model's closed-over static half, Flax NNX merges them with a closed-over graphdef: each is
+    cut with the arguments. ViT's global norm is a chain of scalar adds that folds differently at
+    the two depths; those ops are matched by their total, so seconds agree to rounding (and sums
+    in another order) while bytes stay exact."""
+    for mesh, (shallow, whole) in zip(MESHES, _priced_both_ways(name, monkeypatch)):
+        assert shallow.keys() == whole.keys()
+        for tactic, cost in whole.items():
+            got = shallow[tactic]
+            assert got.collective_bytes == cost.collective_bytes, (mesh, tactic)
+            assert got.peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
+            assert got.compute_seconds == pytest.approx(cost.compute_seconds, rel=1e-9), (mesh, tactic)
+            assert got.communication_seconds == pytest.approx(cost.communication_seconds, rel=1e-9), (mesh, tactic)
+
+
+def block(p, x):
+    """A layer long enough to fold (`fold.MIN_PERIOD` ops)."""
+    h = jax.nn.gelu(x @ p["w"]) * p["norm"]
+    h = h / (1.0 + jnp.abs(h).sum(-1, keepdims=True))
+    return x + jnp.tanh(h @ p["w"].T) * jax.nn.sigmoid(h)
+
+
+def test_closed_over_depths_are_cut_and_other_numbers_kept():
+    config = {"num_layers": 9, "heads": 9}
+
+    def step(params, x):
+        for i in range(config["num_layers"]):
+            x = block(params["blocks"][i], x)
+        return params, x.sum()
+
+    params = {"blocks": [layer() for _ in range(9)]}
+    found = stacks.stacks((params,))
+    cut = stacks.with_free_variables_resized(step, found, 9, 3)
+    assert cut.__closure__[0].cell_contents == {"num_layers": 3, "heads": 9}
+    assert config == {"num_layers": 9, "heads": 9}, "the user's config must be left as it was"
+    inputs = read_inputs(step, (params, S((8, 16), jnp.float32)), None)
+    assert isinstance(inputs.fold, depth.Deepened)
+    assert (
+        inputs.fold.original_ops
+        == read_inputs(step, (params, S((8, 16), jnp.float32)), None, shallow_trace=False).fold.original_ops
+    )
+
+
+LAYERS = 9
 
 
 def test_a_step_that_reads_its_depth_elsewhere_is_traced_whole():
-    depth_of = 9
-
     def step(params, x):
-        for i in range(depth_of):  # the config's layer count, not the arguments'
-            x = jnp.tanh(x @ params["blocks"][i]["w"])
+        for i in range(LAYERS):  # a module constant: nothing the partitioner can cut
+            x = block(params["blocks"][i], x)
         return params, x.sum()
 
-    params = {"blocks": [layer() for _ in range(depth_of)]}
+    params = {"blocks": [layer() for _ in range(LAYERS)]}
     inputs = read_inputs(step, (params, S((8, 16), jnp.float32)), None)
     assert not isinstance(inputs.fold, depth.Deepened)
-    assert inputs.fold.original_ops >= depth_of
+    assert inputs.fold.original_ops >= LAYERS

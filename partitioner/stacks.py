@@ -1,0 +1,297 @@
+"""Where a training step's depth lives: stacks of identically shaped layers in its arguments
+(a list or tuple, or dict entries keyed `0`, `1`, ... or `layers_0`, `layers_1`, ...: the
+parameters, and the optimizer state that mirrors them) and in what it closes over, found and
+cut to a few layers or grown, for `depth` to plan a deep stack from two shallow traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import types
+from collections.abc import Mapping, Sequence
+
+import jax
+
+from .arguments import key_name
+
+MIN_DEPTH = 8  # a shallower stack is traced whole: the two shallow traces would cost as much
+
+_MEMBER = re.compile(r"^(.*?)(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Members 0..depth-1 of a container at `path` (key names): a sequence's items
+    (`prefix` None) or a dict's entries named `prefix` + index."""
+
+    path: tuple[str, ...]
+    prefix: str | None
+    depth: int
+
+
+def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
+    """The outermost stacks of identically shaped members in `tree` (a pytree of arrays or
+    ShapeDtypeStructs), at least `min_depth` deep."""
+    members: dict[tuple, dict[int, list]] = {}
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = key_names(keys)
+        for j, k in enumerate(keys):
+            slot = _slot(k)
+            if slot is not None:
+                prefix, index = slot
+                rest = (names[j + 1 :], tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None))
+                members.setdefault((names[:j], prefix), {}).setdefault(index, []).append(rest)
+    found = []
+    for (path, prefix), by_index in members.items():
+        n = len(by_index)
+        first = by_index.get(0)
+        if n >= min_depth and set(by_index) == set(range(n)) and all(by_index[i] == first for i in range(n)):
+            found.append(Stack(path, prefix, n))
+    return [s for s in found if not any(_inside(s, t) for t in found if t is not s)]
+
+
+def _slot(key) -> tuple[str | None, int] | None:
+    """(prefix, index) where `key` names a stack member: a sequence index, or a dict key that is
+    an integer or ends in one."""
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return None, key.idx
+    if isinstance(key, jax.tree_util.DictKey):
+        if isinstance(key.key, int):
+            return "", key.key
+        m = _MEMBER.match(str(key.key))
+        if m:
+            return m.group(1), int(m.group(2))
+    return None
+
+
+def _inside(s: Stack, t: Stack) -> bool:
+    """Whether `s` lies within a member of `t`."""
+    return len(s.path) > len(t.path) and s.path[: len(t.path)] == t.path and _index(t, s.path[len(t.path)]) is not None
+
+
+def _index(s: Stack, name: str) -> int | None:
+    """The member index a key name denotes in `s`'s container, or None."""
+    if s.prefix is None:
+        return int(name) if name.isdigit() else None
+    m = _MEMBER.match(name)
+    return int(m.group(2)) if m and m.group(1) == s.prefix else None
+
+
+def resized(tree, found: Sequence[Stack], depth: int):
+    """`tree` with every stack in `found` cut to its first `depth` members, or grown to `depth`
+    by repeating its last. None where a stack's container is of a kind this cannot rebuild (only
+    lists, tuples and dicts are)."""
+    try:
+        return _resized(tree, found, depth, ())
+    except _Unbuildable:
+        return None
+
+
+class _Unbuildable(Exception):
+    pass
+
+
+def _resized(tree, found: Sequence[Stack], depth: int, path: tuple[str, ...]):
+    here = [s for s in found if s.path == path]
+    if here:
+        return _resized_container(tree, here[0], found, depth, path)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda y: y is not tree)
+    if len(flat) == 1 and flat[0][0] == ():
+        return tree  # a leaf
+    children = [_resized(child, found, depth, path + (key_name(keys[0]),)) for keys, child in flat]
+    return jax.tree_util.tree_unflatten(treedef, children)
+
+
+def _resized_container(tree, s: Stack, found, depth: int, path):
+    if s.prefix is None and type(tree) in (list, tuple):
+        items = list(tree[:depth]) + [tree[-1]] * max(0, depth - len(tree))
+        return type(tree)(_resized(c, found, depth, path + (str(i),)) for i, c in enumerate(items))
+    if s.prefix is None or not isinstance(tree, Mapping):
+        raise _Unbuildable(path)
+    members = {_index(s, str(k)): k for k in tree if _index(s, str(k)) is not None}
+    last = members[max(members)]
+    name = (lambda i: i) if isinstance(last, int) else (lambda i: f"{s.prefix}{i}")
+    out = {
+        k: _resized(child, found, depth, path + (str(k),))
+        for k, child in tree.items()
+        if _index(s, str(k)) is None or _index(s, str(k)) < depth
+    }
+    for i in range(len(members), depth):
+        out[name(i)] = _resized(tree[last], found, depth, path + (str(name(i)),))
+    if type(tree) is dict:
+        return out
+    try:  # a mapping pytree (Flax NNX's State) built from a dict
+        return type(tree)(out)
+    except Exception as e:
+        raise _Unbuildable(path) from e
+
+
+def source_leaves(full, shallow, found: Sequence[Stack], depth: int) -> list[int] | None:
+    """Per leaf of `full`, the index of the leaf of `shallow` (the same tree with its stacks
+    `depth` deep) that stands for it: a member beyond the shallow ones is its last member."""
+    index = {key_names(keys): i for i, (keys, _) in enumerate(jax.tree_util.tree_flatten_with_path(shallow)[0])}
+    out = []
+    for keys, _ in jax.tree_util.tree_flatten_with_path(full)[0]:
+        names = list(key_names(keys))
+        for s in found:
+            n = len(s.path)
+            if tuple(names[:n]) == s.path and len(names) > n:
+                i = _index(s, names[n])
+                if i is not None and i >= depth:
+                    names[n] = names[n][: len(names[n]) - len(str(i))] + str(depth - 1)
+        src = index.get(tuple(names))
+        if src is None:
+            return None
+        out.append(src)
+    return out
+
+
+def key_names(keys) -> tuple[str, ...]:
+    return tuple(map(_name, keys))
+
+
+_name = functools.lru_cache(maxsize=1 << 16)(key_name)  # (a deep model's ~10^4 leaves share a few hundred keys)
+
+
+_DEPTH_NAME = re.compile(r"layer|depth|block", re.IGNORECASE)  # num_layers, n_layer, depth, num_blocks, ...
+_NESTING = 3  # how deep config objects are searched for the depth
+
+
+def with_free_variables_resized(fn, found: Sequence[Stack], depth: int, k: int, abstract: tuple = ()):
+    """`fn` with what it closes over (or a `functools.partial` binds) that holds the stacks' depth
+    cut to `k` alike: a pytree holding a `depth`-long container at a stack's path (or a suffix of
+    it: Equinox's static half of a model, `eqx.partition`'s other output), and an integer equal to
+    `depth` named for layers, depth or blocks in a config dict, a dataclass or a Flax Linen module
+    (`ViT(layers=96)`, `config.num_layers`), and a Flax NNX graphdef that one of the arguments
+    (`abstract`) is the state of. Where nothing matches, `fn` itself."""
+    resize = functools.partial(_free_value_resized, found=found, depth=depth, k=k, abstract=abstract)
+    if isinstance(fn, functools.partial):
+        args, keywords = [resize(a) for a in fn.args], {n: resize(v) for n, v in fn.keywords.items()}
+        if all(a is b for a, b in zip(args, fn.args)) and all(keywords[n] is v for n, v in fn.keywords.items()):
+            return fn
+        return functools.partial(fn.func, *args, **keywords)
+    cells = getattr(fn, "__closure__", None)
+    if not isinstance(fn, types.FunctionType) or not cells:
+        return fn
+    values = [_cell_value(c) for c in cells]
+    new = [
+        v if v is _EMPTY else _depth_resized(n, v, found, depth, k, -1, abstract)
+        for n, v in zip(fn.__code__.co_freevars, values)
+    ]
+    if all(a is b for a, b in zip(new, values)):
+        return fn
+    out = types.FunctionType(
+        fn.__code__,
+        fn.__globals__,
+        fn.__name__,
+        fn.__defaults__,
+        tuple(c if v is _EMPTY else types.CellType(v) for c, v in zip(cells, new)),
+    )
+    out.__kwdefaults__, out.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    return out
+
+
+_EMPTY = object()
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # (a cell not yet bound)
+        return _EMPTY
+
+
+def _free_value_resized(value, found: Sequence[Stack], depth: int, k: int, nesting: int = 0, abstract: tuple = ()):
+    if type(value).__name__ == "GraphDef" and type(value).__module__.startswith("flax.nnx"):
+        return _nnx_graphdef_resized(value, abstract, depth, k)
+    if callable(value) and not dataclasses.is_dataclass(value):
+        return value
+    if isinstance(value, dict) and nesting < _NESTING:
+        new = {n: _depth_resized(n, v, found, depth, k, nesting, abstract) for n, v in value.items()}
+        if any(new[n] is not v for n, v in value.items()):
+            return type(value)(new) if type(value) is not dict else new
+    if _is_pytree_node(value):
+        matched = _free_stacks(value, found, depth)
+        return (resized(value, matched, k) or value) if matched else value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and nesting < _NESTING:
+        updates = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name, None)
+            if f.init and (n := _depth_resized(f.name, v, found, depth, k, nesting, abstract)) is not v:
+                updates[f.name] = n
+        if updates:
+            try:  # a Linen module is copied by `clone`, which keeps it unbound
+                return value.clone(**updates) if hasattr(value, "clone") else dataclasses.replace(value, **updates)
+            except Exception:
+                return value
+    return value
+
+
+def _depth_resized(name, value, found, depth: int, k: int, nesting: int, abstract: tuple = ()):
+    if type(value) is int:
+        return k if value == depth and _DEPTH_NAME.search(str(name)) else value
+    return _free_value_resized(value, found, depth, k, nesting + 1, abstract)
+
+
+def _nnx_graphdef_resized(graphdef, abstract: tuple, depth: int, k: int):
+    """The graphdef of the object graph that `graphdef` and one of the arguments merge into, with
+    every `depth`-long `nnx.List` (the layers) and every stack in a pytree attribute (an
+    optimizer's state mirroring them) cut to `k`; `graphdef` itself where no argument merges."""
+    from flax import nnx  # (only a step that closes over an NNX graphdef gets here)
+
+    for state in abstract:
+        try:
+            objects = nnx.merge(graphdef, state)
+        except Exception:
+            continue
+        cuts = _nnx_cuts(nnx, objects, depth, k)
+        if not cuts or any(value is None for _, _, value in cuts):
+            return graphdef
+        for node, name, value in cuts:
+            setattr(node, name, value)
+        return nnx.graphdef(objects)
+    return graphdef
+
+
+def _nnx_cuts(nnx, objects, depth: int, k: int) -> list[tuple]:
+    """(node, attribute, value cut to `k`) for `_nnx_graphdef_resized`, walking the NNX objects'
+    attributes but not into the layers it cuts (a deep model's nodes are nearly all in them)."""
+    cuts, seen, todo = [], set(), list(objects) if isinstance(objects, (tuple, list)) else [objects]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name, value in vars(node).items():
+            if name.startswith("_") or isinstance(value, nnx.Variable):
+                continue
+            if isinstance(value, nnx.List) and len(value) == depth:
+                cuts.append((node, name, nnx.List(list(value)[:k])))
+            elif isinstance(value, nnx.Pytree):
+                todo.append(value)
+            elif inner := [s for s in stacks(value) if s.depth == depth]:
+                cuts.append((node, name, resized(value, inner, k)))
+    return cuts
+
+
+def _is_pytree_node(value) -> bool:
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value, is_leaf=lambda x: x is None))
+
+
+def _free_stacks(tree, found: Sequence[Stack], depth: int) -> list[Stack]:
+    """The containers in `tree`, `depth` long, whose paths end a stack's path in `found`."""
+    ends = {s.path[-n:]: s.prefix for s in found for n in range(1, len(s.path) + 1)}
+    out = []
+
+    def walk(node, path):
+        if path in ends and isinstance(node, (list, tuple, dict)) and len(node) == depth:
+            out.append(Stack(path, ends[path], depth))
+            return
+        flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+        for keys, child in flat:
+            if keys != ():
+                walk(child, path + (key_name(keys[0]),))
+
+    walk(tree, ())
+    return out
