@@ -1,6 +1,7 @@
 """remesh.orchestrator: elastic training jobs on Ray.
 
     from orchestrator import Program          # the user's program contract
+    from orchestrator import TokenFiles       # token files as a program's data, each host reading its rows
     summary = orchestrator.run_job(orchestrator.load_job("job.toml"), chaos="lose@40,add@80")
 
 Importing this package starts nothing and does not import Ray; the controller pieces load on
@@ -8,20 +9,23 @@ first use, so that a bare worker process (no Ray, e.g. on a GPU machine) can imp
 """
 
 from .chaos import ChaosSpecError, Fault, parse_chaos
+from .data import DataError, TokenFiles
 from .jobfile import JobFileError, JobSpec, load_job, parse_job
 from .policies import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
-from .program import Program, ProgramError, check_program, load_program
+from .program import JobSettings, Program, ProgramError, check_program, load_program
 from .summary import RunSummary
 
 __all__ = [
     "ChaosSpecError",
     "Continue",
+    "DataError",
     "Fail",
     "Failure",
     "FailurePolicy",
     "Fault",
     "JobController",
     "JobFileError",
+    "JobSettings",
     "JobSpec",
     "Phase",
     "Program",
@@ -30,6 +34,7 @@ __all__ = [
     "Restart",
     "RunSummary",
     "ScalingPolicy",
+    "TokenFiles",
     "check_program",
     "load_job",
     "load_program",

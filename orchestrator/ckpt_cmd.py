@@ -123,11 +123,13 @@ def _planned_targets(m: dict, args):
     import partitioner
     from checkpoint import leaf_path
 
-    from .program import ProgramError, check_program, load_program
+    from .program import JobSettings, ProgramError, check_program, load_program
 
     sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job ran in
+    meta = m["meta"]
+    settings = JobSettings(int(meta.get("steps", 0)), batch, int(meta.get("seed", 0)), meta.get("options", {}))
     try:
-        program = load_program(program_ref)
+        program = load_program(program_ref, settings)
     except ProgramError as e:
         return None, f"FSDP over {args.devices} devices on each leaf's first divisible dimension ({e})"
     state, batch_tree = check_program(program, batch)

@@ -276,7 +276,7 @@ def _plan_target(args):
         from .program import check_program, load_program
 
         job = load_job(args.target)
-        program = load_program(job.program)
+        program = load_program(job.program, job.settings())
         state, batch = check_program(program, job.global_batch, job.seed)
         planner = args.planner or ("shapes" if job.planner == "shapes" else "search")
         level = args.level or (job.planner if job.planner != "shapes" else "fast")

@@ -315,6 +315,7 @@ class JobController:
             hardware=job.hardware,
             job=job.name,
             model_flops=self.model_flops,
+            options=dict(job.options),
         )
 
     # -- RUNNING -----------------------------------------------------------------------------

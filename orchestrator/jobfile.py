@@ -16,6 +16,8 @@
     every = 10
     keep = 3                       # optional: the newest committed checkpoints kept
     keep_every = 1000              # optional: also keep every step divisible by this, forever
+    [options]                      # optional, free: handed to a program factory (`JobSettings.options`)
+    train_tokens = ["data/train.bin"]
 
 Unknown keys and wrong types are errors that name the key.
 """
@@ -59,6 +61,13 @@ class JobSpec:
     seed: int = 0
     hardware: str = "cpu"
     planner: str = "fast"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def settings(self):
+        """What a program factory is given (`program.JobSettings`)."""
+        from .program import JobSettings
+
+        return JobSettings(self.steps, self.global_batch, self.seed, self.options)
 
     def with_checkpoint_dir(self, path: str) -> JobSpec:
         return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))
@@ -92,6 +101,8 @@ def load_job(path: str | os.PathLike) -> JobSpec:
 
 
 def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<job>") -> JobSpec:
+    raw = dict(raw)
+    options = _options(raw.pop("options", {}), source)
     values = _check(raw, _SCHEMA, prefix="", source=source)
     hosts = HostsSpec(**values["hosts"])
     ckpt = values["checkpoint"]
@@ -106,9 +117,24 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
         planner=values["planner"],
         hosts=hosts,
         checkpoint=CheckpointSpec(**ckpt),
+        options=options,
     )
     _check_values(job, source)
     return job
+
+
+def _options(raw: Any, source: str) -> dict:
+    """The free `[options]` table: anything JSON can carry to every host (TOML dates cannot)."""
+    import json
+
+    if not isinstance(raw, dict):
+        raise JobFileError(f"{source}: options must be a table ([options]), got {type(raw).__name__} {raw!r}")
+    try:
+        return json.loads(json.dumps(raw))
+    except TypeError as e:
+        raise JobFileError(
+            f"{source}: [options] holds a value hosts cannot be sent ({e}): use strings or numbers"
+        ) from None
 
 
 def _check(raw: Mapping[str, Any], schema: Mapping[str, Any], *, prefix: str, source: str) -> dict:

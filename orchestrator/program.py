@@ -3,13 +3,17 @@
     program = remesh.Program(
         init=lambda key: state,                 # PRNG key -> train state (any pytree of arrays)
         step=train_step,                        # (state, batch) -> (state, {"loss": scalar, ...})
-        batch=lambda step, size: {...},         # global batch for a step index, numpy, leading dim `size`
+        data=TokenFiles(paths, seq_len).dataset(),  # data[i]: example i of the job's global order
         tokens_per_example=seq_len,             # for tokens/s
     )
 
-`batch` must be deterministic in the step index, so a resized or resumed job sees exactly the same
-data; any randomness in the step (dropout) must come from a PRNG key kept in the state, so that it
-is checkpointed and restored with it.
+`data` is any random-access dataset (a Grain `MapDataset`, or anything with `__getitem__`) whose
+items are dicts of numpy arrays: each process reads only the rows of each global batch its
+devices hold (`orchestrator.data`). Instead, `batch=lambda step, size: {...}` may build the whole
+global batch for a step index (numpy, leading dim `size`) on every host: for synthetic data.
+Either must be deterministic, so a resized or resumed job sees exactly the same data; any
+randomness in the step (dropout) must come from a PRNG key kept in the state, so that it is
+checkpointed and restored with it.
 """
 
 from __future__ import annotations
@@ -31,12 +35,39 @@ class ProgramError(ValueError):
 class Program:
     init: Callable[[Any], Any]
     step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]]
-    batch: Callable[[int, int], Any]
+    batch: Callable[[int, int], Any] | None = None
     tokens_per_example: int = 1
+    data: Any = None  # a random-access dataset of examples (`orchestrator.data`)
+
+    def __post_init__(self):
+        if (self.batch is None) == (self.data is None):
+            raise ProgramError(
+                "a Program takes exactly one of data= (a random-access dataset: data[i] is example i, a dict of "
+                "numpy arrays) and batch= (step, size) -> a whole global batch; got "
+                + ("both" if self.batch is not None else "neither")
+            )
+        if self.data is not None and not hasattr(self.data, "__getitem__"):
+            raise ProgramError(
+                f"Program data must support data[i] (a Grain MapDataset, a TokenFiles(...).dataset()), "
+                f"got {type(self.data).__name__}"
+            )
 
 
-def load_program(ref: str) -> Program:
-    """Import `module:attribute` and check it is a Program."""
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+    """What a program factory is given: the job's settings a program may need (the steps for a
+    learning-rate schedule, the global batch, the seed) and the job file's free `[options]`
+    table (token file paths, a model size, a learning rate)."""
+
+    steps: int
+    global_batch: int
+    seed: int = 0
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def load_program(ref: str, settings: JobSettings | None = None) -> Program:
+    """Import `module:attribute`: a Program, or a factory that makes one from the job's
+    `settings` (`def make_program(settings: JobSettings) -> Program`)."""
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise ProgramError(f"program must look like 'module:attribute', got {ref!r}")
@@ -49,8 +80,30 @@ def load_program(ref: str) -> Program:
     if not hasattr(module, attr):
         raise ProgramError(f"module {module_name!r} has no attribute {attr!r} (program {ref!r})")
     program = getattr(module, attr)
+    if callable(program) and not isinstance(program, Program):
+        program = _made(ref, program, settings)
     if not isinstance(program, Program):
-        raise ProgramError(f"{ref} must be an orchestrator.Program (init, step, batch), got {type(program).__name__}")
+        raise ProgramError(
+            f"{ref} must be an orchestrator.Program (init, step, data or batch), got {type(program).__name__}"
+        )
+    return program
+
+
+def _made(ref: str, factory, settings: JobSettings | None) -> Program:
+    if settings is None:
+        raise ProgramError(
+            f"{ref} is a program factory: it needs the job's settings (load_program({ref!r}, JobSettings(...)))"
+        )
+    try:
+        program = factory(settings)
+    except ProgramError:
+        raise
+    except Exception as e:  # the user's traceback stays chained below this one
+        raise ProgramError(f"the program factory {ref}(settings) failed: {type(e).__name__}: {e}") from e
+    if not isinstance(program, Program):
+        raise ProgramError(
+            f"the program factory {ref} must return an orchestrator.Program, got {type(program).__name__}"
+        )
     return program
 
 
@@ -62,6 +115,13 @@ def abstract_inputs(program: Program, global_batch: int, seed: int = 0):
         state = jax.eval_shape(program.init, jax.random.key(seed))
     except Exception as e:
         raise ProgramError(f"program.init(key) failed: {type(e).__name__}: {e}") from e
+    if program.data is not None:
+        from .data import abstract_batch
+
+        try:
+            return state, abstract_batch(program.data, global_batch)
+        except Exception as e:
+            raise ProgramError(f"program.data[0] failed: {type(e).__name__}: {e}") from e
     batch = program.batch(0, global_batch)
     return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
 

@@ -46,7 +46,7 @@ def run_job(
             f"cluster: drop --address (on a running cluster only {', '.join(ANY_CLUSTER)} applies)"
         )
     sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job runs in
-    program = load_program(job.program)
+    program = load_program(job.program, job.settings())
     state, batch = check_program(program, job.global_batch, job.seed)
     fingerprint = program_fingerprint(job.program, state, batch)
     model_flops = step_flops(program.step, (state, batch))["model_flops"]  # once, for every host's MFU

@@ -55,6 +55,7 @@ class SegmentSpec:
     hardware: str = "cpu"  # profile whose peak FLOP/s MFU is measured against
     job: str = ""  # the job's name, for labels
     model_flops: float | None = None  # of one step (step_flops), counted once by the controller; None: count here
+    options: dict = dataclasses.field(default_factory=dict)  # the job file's [options], for a program factory
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -193,13 +194,13 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     from checkpoint import StoreConfig
     from partitioner import Plan, profile
 
-    from .program import abstract_inputs, load_program
+    from .program import JobSettings, abstract_inputs, load_program
 
     lap = _Laps(report)
     start_group(spec)
     lap("group_start", devices=jax.device_count())
 
-    program = load_program(spec.program)
+    program = load_program(spec.program, JobSettings(spec.steps, spec.global_batch, spec.seed, spec.options))
     plan = Plan.from_json(spec.plan_json)
     mesh = plan.bind(jax.devices())
     key = jax.random.key(spec.seed)
@@ -224,47 +225,58 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", **flops)
 
-    state, first = _restore_or_init(store, program, key, target, digest_fn, spec, lap)
+    state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap)
+    batches = _batches(program, spec.global_batch, batch_sh, first, first_example)
 
     tokens = spec.global_batch * program.tokens_per_example
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = plan.devices_used * profile(spec.hardware).peak_flops
     done = first
     stops = StopAgreement(should_stop, spec.num_processes)
-    for index in range(first, spec.steps):
-        t_input = time.time()
-        batch = _global_batch(program.batch(index, spec.global_batch), batch_sh)
-        if spec.slow_input_from is not None and index + 1 >= spec.slow_input_from:
-            time.sleep(SLOW_INPUT_SECONDS)
-        t_dispatch = time.time()
-        state, metrics = compiled(state, batch)
-        t_wait = time.time()
-        values = scalar_metrics(jax.device_get(metrics))  # also the step's sync point
-        done = index + 1
-        seconds, now = lap.split()
-        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
-        # time each host waited at the sync point can: the straggler waits least, the others for it.
-        lap(
-            "step",
-            now=now,
-            step=done,
-            loss=values.pop("loss"),
-            metrics=values,
-            tokens_per_second=tokens / seconds,
-            mfu=flops["model_flops"] / (seconds * peak),
-            input_seconds=t_dispatch - t_input,
-            wait_seconds=now - t_wait,
-        )
-        boundary = done % spec.checkpoint.every == 0 or done == spec.steps
-        if boundary:
-            _save(store, state, plan, digest_fn, done, spec, report)
-        stop = stops.agree(done, boundary, seconds)
-        if stop is Stop.NOW and not boundary:
-            _save(store, state, plan, digest_fn, done, spec, report)  # commit the step reached
-        if boundary or stop is Stop.NOW:
-            lap("checkpoint", step=done)
-        if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
-            break
+    # The next step's batch is read and laid out on the devices while this step runs; the time
+    # a step waits for it is its input time.
+    prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-input")
+    upcoming = prefetch.submit(batches, first) if first < spec.steps else None
+    try:
+        for index in range(first, spec.steps):
+            t_input = time.time()
+            batch = upcoming.result()
+            upcoming = prefetch.submit(batches, index + 1) if index + 1 < spec.steps else None
+            if spec.slow_input_from is not None and index + 1 >= spec.slow_input_from:
+                time.sleep(SLOW_INPUT_SECONDS)
+            t_dispatch = time.time()
+            state, metrics = compiled(state, batch)
+            t_wait = time.time()
+            values = scalar_metrics(jax.device_get(metrics))  # also the step's sync point
+            done = index + 1
+            seconds, now = lap.split()
+            # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
+            # time each host waited at the sync point can: the straggler waits least, the others for it.
+            lap(
+                "step",
+                now=now,
+                step=done,
+                loss=values.pop("loss"),
+                metrics=values,
+                tokens_per_second=tokens / seconds,
+                mfu=flops["model_flops"] / (seconds * peak),
+                input_seconds=t_dispatch - t_input,
+                wait_seconds=now - t_wait,
+            )
+            boundary = done % spec.checkpoint.every == 0 or done == spec.steps
+            if boundary:
+                _save(store, state, plan, digest_fn, done, batches.example_index(done), spec, report)
+            stop = stops.agree(done, boundary, seconds)
+            if stop is Stop.NOW and not boundary:
+                _save(
+                    store, state, plan, digest_fn, done, batches.example_index(done), spec, report
+                )  # the step reached
+            if boundary or stop is Stop.NOW:
+                lap("checkpoint", step=done)
+            if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
+                break
+    finally:
+        prefetch.shutdown(wait=True, cancel_futures=True)
     store.wait()
     lap("checkpoint_flush", step=done)
     store.close()
@@ -325,7 +337,8 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
             continue
         stats = store.last_restore
         lap("restore", step=step, bytes_read=stats.bytes_read, bytes_needed=stats.bytes_needed, **event)
-        return state, int(meta.get("data_position", step))
+        first = int(meta.get("data_position", step))
+        return state, first, int(meta.get("examples_seen", first * spec.global_batch))
     if committed:
         raise CheckpointCorruptError(
             f"no checkpoint in {spec.checkpoint.dir} restores intact: steps {committed} were all damaged and moved "
@@ -334,7 +347,7 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
     state = jax.jit(program.init, out_shardings=jax.tree.map(lambda t: t.sharding, target))(key)
     jax.block_until_ready(state)
     lap("init")
-    return state, 0
+    return state, 0, 0
 
 
 def _check_digest(digest_fn, state, meta: dict, step: int, spec: SegmentSpec) -> dict:
@@ -359,7 +372,7 @@ def _all_agree(ok: bool) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _save(store, state, plan, digest_fn, step: int, spec: SegmentSpec, report: Report) -> None:
+def _save(store, state, plan, digest_fn, step: int, examples_seen: int, spec: SegmentSpec, report: Report) -> None:
     if spec.freeze_before_save == step:
         # Fault injection: the previous checkpoint is complete, this one is begun by the other
         # hosts and never finished by this one; hang here until the controller kills the host.
@@ -368,19 +381,48 @@ def _save(store, state, plan, digest_fn, step: int, spec: SegmentSpec, report: R
         threading.Event().wait()
     meta = {
         "data_position": step,
+        "examples_seen": examples_seen,  # where the next step's examples begin in the data's global order
         "segment": spec.segment,
         "program": spec.program,
         "seed": spec.seed,
         "program_fingerprint": spec.fingerprint,
         "global_batch": spec.global_batch,
+        "steps": spec.steps,
+        "options": spec.options,
     }
     if digest_fn is not None:
         meta["digest"] = digest(digest_fn, state)
     store.save(step, state, plan=plan, meta=meta)
 
 
+def _batches(program, global_batch: int, shardings, first_step: int, first_example: int):
+    """step -> that step's global batch on the devices: each process reading the rows it holds
+    of `program.data`, or slicing its rows out of `program.batch`'s whole batch."""
+    if program.data is not None:
+        from .data import HostBatches
+
+        return HostBatches(program.data, global_batch, shardings, first_step, first_example)
+    return _WholeBatches(program.batch, global_batch, shardings, first_step, first_example)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WholeBatches:
+    batch: Callable[[int, int], Any]
+    global_batch: int
+    shardings: Any
+    first_step: int
+    first_example: int
+
+    def example_index(self, step: int) -> int:
+        return self.first_example + (step - self.first_step) * self.global_batch
+
+    def __call__(self, step: int):
+        return _global_batch(self.batch(step, self.global_batch), self.shardings)
+
+
 def _global_batch(host_batch: Any, shardings: Any):
-    """Each process supplies only the slices of the global batch its devices hold."""
+    """The whole global batch, built on every process (`Program.batch`), placed on the devices:
+    each process hands over only the slices its devices hold."""
     import jax
     import numpy as np
 

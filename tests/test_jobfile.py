@@ -52,6 +52,7 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
         ({"steps": 0}, ["steps must be positive"]),
         ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
         ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
+        ({"options": "train.bin"}, ["options must be a table ([options])", "str 'train.bin'"]),
     ],
 )
 def test_bad_job_files_name_the_key(changes, words):
@@ -59,6 +60,21 @@ def test_bad_job_files_name_the_key(changes, words):
         parse_job(with_(**changes))
     for w in words:
         assert w in str(e.value)
+
+
+def test_options_reach_a_program_factory_as_job_settings(tmp_path):
+    job = parse_job(with_(options={"train_tokens": ["a.bin", "b.bin"], "learning_rate": 0.01}))
+    settings = job.settings()
+    assert (settings.steps, settings.global_batch, settings.seed) == (10, 8, 0)
+    assert settings.options == {"train_tokens": ["a.bin", "b.bin"], "learning_rate": 0.01}
+    assert parse_job(GOOD).settings().options == {}
+    dated = tmp_path / "dated.toml"
+    dated.write_text(
+        'name = "j"\nprogram = "m:p"\nsteps = 1\nglobal_batch = 1\n[hosts]\nmin = 1\nmax = 1\n'
+        'devices_per_host = 1\n[checkpoint]\ndir = "c"\nevery = 1\n[options]\nstart = 2026-11-24\n'
+    )
+    with pytest.raises(JobFileError, match="hosts cannot be sent"):
+        load_job(dated)
 
 
 def test_load_job_errors_on_missing_and_invalid_toml(tmp_path):

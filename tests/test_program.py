@@ -1,4 +1,5 @@
 import sys
+import traceback
 import types
 
 import jax.numpy as jnp
@@ -30,13 +31,49 @@ def good_program(**overrides):
 def test_load_program_errors_name_the_missing_piece():
     with pytest.raises(ProgramError, match="cannot import module 'no_such_mod'"):
         load_program("no_such_mod:program")
-    _module("remesh_test_mod", other=1, notaprogram=lambda: 0)
+    _module("remesh_test_mod", other=1, notaprogram=0)
     with pytest.raises(ProgramError, match="has no attribute 'program'"):
         load_program("remesh_test_mod:program")
     with pytest.raises(ProgramError, match="must be an orchestrator.Program"):
         load_program("remesh_test_mod:notaprogram")
     with pytest.raises(ProgramError, match="module:attribute"):
         load_program("remesh_test_mod")
+
+
+def test_a_program_factory_gets_the_job_settings_and_its_errors_name_it():
+    from orchestrator import JobSettings
+
+    def broken(settings):
+        return {}["train_tokens"]
+
+    made = []
+    _module(
+        "remesh_factory_mod",
+        make=lambda settings: made.append(settings) or good_program(),
+        broken=broken,
+        wrong=lambda settings: 3,
+    )
+    settings = JobSettings(100, 8, 1, {"lr": 0.1})
+    assert isinstance(load_program("remesh_factory_mod:make", settings), Program) and made == [settings]
+    with pytest.raises(ProgramError, match="is a program factory: it needs the job's settings"):
+        load_program("remesh_factory_mod:make")
+    with pytest.raises(ProgramError, match=r"remesh_factory_mod:broken\(settings\) failed: KeyError") as e:
+        load_program("remesh_factory_mod:broken", settings)
+    assert "in broken" in "".join(traceback.format_exception(e.value.__cause__)), "the user's own frame is kept"
+    with pytest.raises(ProgramError, match="must return an orchestrator.Program, got int"):
+        load_program("remesh_factory_mod:wrong", settings)
+
+
+def test_a_program_takes_data_or_batch():
+    with pytest.raises(ProgramError, match="exactly one of data="):
+        good_program(data=[{"x": np.zeros(4, np.float32)}])
+    with pytest.raises(ProgramError, match="got neither"):
+        good_program(batch=None)
+    with pytest.raises(ProgramError, match="must support data"):
+        good_program(batch=None, data=3)
+    program = good_program(batch=None, data=[{"x": np.full(4, i, np.float32)} for i in range(32)])
+    state, batch = check_program(program, 8)
+    assert batch["x"].shape == (8, 4) and batch["x"].dtype == np.float32
 
 
 def test_check_program_accepts_a_good_program():

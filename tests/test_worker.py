@@ -16,11 +16,13 @@ from orchestrator.worker import SegmentSpec, run_segment
 pytestmark = pytest.mark.fake_devices
 
 
-def spec(tmp_path, devices, steps, planner="shapes", program_ref="examples.gpt.model:program", global_batch=24):
-    from orchestrator import load_program
+def spec(
+    tmp_path, devices, steps, planner="shapes", program_ref="examples.gpt.model:program", global_batch=24, options=None
+):
+    from orchestrator import JobSettings, load_program
     from partitioner.search import search
 
-    program = load_program(program_ref)
+    program = load_program(program_ref, JobSettings(steps, global_batch, 0, options or {}))
     state, batch = check_program(program, global_batch)
     if planner == "megatron":  # the factor-graph search, held to tensor parallelism
         plan = search(
@@ -40,6 +42,7 @@ def spec(tmp_path, devices, steps, planner="shapes", program_ref="examples.gpt.m
         coordinator="",
         num_processes=1,
         process_id=0,
+        options=options or {},
     )
 
 

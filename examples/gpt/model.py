@@ -2,7 +2,9 @@
 
 Data is generated from the step index alone (no downloads): token sequences from a fixed sparse
 Markov chain, so the loss has real structure to learn and falls from log(vocab) towards the chain's
-entropy. Dropout draws from a PRNG key carried in the state, so it is checkpointed with it.
+entropy. `make_token_program` trains the same model on token files instead (nanoGPT's `train.bin`,
+each host reading only its rows); `write_tokens` writes such a file from the same chain. Dropout
+draws from a PRNG key carried in the state, so it is checkpointed with it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from orchestrator import Program
+from orchestrator import Program, TokenFiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +145,25 @@ def make_program(cfg: GPTConfig = GPTConfig()) -> Program:
         return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
     return Program(init=init, step=step, batch=batch, tokens_per_example=cfg.seq_len)
+
+
+def make_token_program(paths, cfg: GPTConfig = GPTConfig(), seed: int = 0, dtype: str = "uint16") -> Program:
+    """The same model trained on flat token files (ids below `cfg.vocab`), shuffled by `seed`."""
+    data = TokenFiles(tuple(paths), cfg.seq_len, dtype=dtype, seed=seed).dataset()
+    return dataclasses.replace(make_program(cfg), batch=None, data=data)
+
+
+def write_tokens(path: str, tokens: int, cfg: GPTConfig = GPTConfig(), seed: int = 0) -> None:
+    """A uint16 token file of `tokens` ids, as nanoGPT's prepare scripts write one: documents of
+    the Markov chain's language, concatenated."""
+    rng = np.random.default_rng(seed)
+    table = _markov_table(cfg)
+    out = np.empty(tokens, np.uint16)
+    out[0] = rng.integers(0, cfg.vocab)
+    choice = rng.integers(0, cfg.successors, tokens)
+    for t in range(1, tokens):
+        out[t] = table[out[t - 1], choice[t]]
+    out.tofile(path)
 
 
 def _markov_table(cfg: GPTConfig) -> np.ndarray:
