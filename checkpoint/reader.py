@@ -132,7 +132,7 @@ def restore(
         raise CheckpointTargetError(
             f"cannot restore step {step.step} from {step.dir} onto this target: " + "; ".join(problems[:5]) + more
         )
-    broken = step.check_files()
+    broken = step.check_files(_files_read(step, [r for r in reads if r is not None]))
     if broken:
         raise CheckpointCorruptError(f"checkpoint step {step.step} in {step.dir} is damaged: " + "; ".join(broken[:5]))
     values, needed = _read_all(step, [r for r in reads if r is not None], budget_bytes)
@@ -221,6 +221,19 @@ def _check_dtype(path: str, want: np.dtype, src: LeafInfo, cast: Cast) -> None:
 
 def _is_key(leaf) -> bool:
     return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _files_read(step, reads: list[_LeafRead]) -> set[str]:
+    """The files this process opens: for a leaf read as saved, the chunks its boxes overlap; for
+    one stacked from layers or cut out of a stack, every chunk of its sources."""
+    out: set[str] = set()
+    for r in reads:
+        if r.mode == "leaf":
+            out |= step.files_read(r.sources[0].path, list(_boxes(r)))
+        else:
+            for src in r.sources:
+                out |= step.files_read(src.path)
+    return out
 
 
 def _boxes(read: _LeafRead) -> dict[tuple, list]:

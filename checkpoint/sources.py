@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -74,11 +75,14 @@ class RemeshStep:
     def plan(self) -> dict | None:
         return self.manifest["plan"]
 
-    def check_files(self) -> list[str]:
-        """Cheap structural checks (no data read): every file present, of its recorded size, and
-        every array's metadata as written. Returns the problems found."""
+    def check_files(self, only: set[str] | None = None) -> list[str]:
+        """Cheap structural checks (no data read): every file present (or every file in `only`,
+        those a restore opens: `files_read`), of its recorded size, and every array's metadata
+        as written. Returns the problems found."""
         problems = []
         for rel, want in self.manifest["files"].items():
+            if only is not None and rel not in only:
+                continue
             full = os.path.join(self.dir, rel)
             try:
                 size = os.path.getsize(full)
@@ -104,6 +108,19 @@ class RemeshStep:
                 read=True,
             ).result()
         return self._opened[path]
+
+    def files_read(self, path: str, boxes: Sequence[tuple] | None = None) -> set[str]:
+        """The files a read of leaf `path` opens: its array's metadata and the chunk files that
+        the boxes ((start, stop) per dimension) overlap; every chunk file where `boxes` is None."""
+        base = os.path.join(layout.ARRAYS, self._arrays[path]["array"])
+        chunk, shape = self.leaves[path].chunk_shape, self.leaves[path].shape
+        if boxes is None:
+            boxes = [tuple((0, d) for d in shape)]
+        out = {os.path.join(base, "zarr.json")}
+        for box in boxes:
+            spans = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunk)]
+            out.update(os.path.join(base, "c", *map(str, grid)) for grid in itertools.product(*spans))
+        return out
 
     def shard_boxes(self, path: str) -> list[layout.Box]:
         """The saved shards (one file each), for verification a file at a time."""
@@ -155,8 +172,11 @@ class OrbaxStep:
                 self._names[p],
             )
 
-    def check_files(self) -> list[str]:
+    def check_files(self, only: set[str] | None = None) -> list[str]:
         return []  # OCDBT checks its own manifests when opened; data has no checksums
+
+    def files_read(self, path: str, boxes: Sequence[tuple] | None = None) -> set[str]:
+        return set()
 
     def open(self, path: str):
         if path not in self._opened:

@@ -346,6 +346,27 @@ def test_corruption_names_the_leaf_and_chunk_and_verify_reports_it(tmp_path, dev
     assert any("is missing" in p for p in store.verify(1).problems)
 
 
+def test_a_restore_checks_only_the_files_it_reads(tmp_path, devices8):
+    """A host stats and checks the chunks its own boxes overlap, not every file any host wrote: a
+    missing chunk of a leaf it does not read is no error for it, and still one for a host that does."""
+    state = make_state()
+    store = Store(tmp_path)
+    store.save(1, place(state, devices8, "fsdp"))  # params/w: [48, 72] in 8 row chunks of 6
+    store.wait()
+    doc, files = chunk_files(tmp_path / "1")
+    w = next(leaf for leaf in doc["leaves"] if leaf["path"] == "params/w")
+    step = store.open_step(1)
+    rows = step.files_read("params/w", [((6, 18), (0, 72))])
+    base = f"arrays/{w['array']}"
+    assert rows == {f"{base}/zarr.json", f"{base}/c/1/0", f"{base}/c/2/0"}
+    assert len(step.files_read("params/w")) == 9  # every chunk, and the metadata
+    (tmp_path / "1" / f"{base}/c/7/0").unlink()
+    restored = store.restore(target=place(state, devices8, "dp"), include=["params/b", "opt/*"])
+    assert_bitwise(restored["opt"]["mu"]["w"], state["opt"]["mu"]["w"])
+    with pytest.raises(CheckpointCorruptError, match=r"leaf params/w: file arrays/\d+/c/7/0 is missing"):
+        store.restore(target=place(state, devices8, "dp"), include=["params/w"])
+
+
 def test_every_sampled_single_byte_corruption_of_a_data_chunk_is_detected(tmp_path, devices8):
     state = make_state()
     store = Store(tmp_path, config=StoreConfig(chunk_bytes=2048))
