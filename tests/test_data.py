@@ -133,14 +133,25 @@ def test_a_job_on_token_files_resumes_exactly_on_other_meshes(tmp_path, devices8
     assert meta["meta"]["examples_seen"] == 15 * 24
 
 
-def test_an_nnx_program_made_by_a_factory_trains_on_its_token_files_across_meshes(tmp_path, devices8, token_file):
-    """The Flax NNX recipe (`examples/nnx_lm`): a factory given the job's settings (its steps set the
-    schedule, `[options]` the token files), bfloat16 compute, resumed from 8 devices on 4 at a
-    checkpoint: the same losses as one run on 8 (within 1e-4 relative), the first segment's exactly."""
+RECIPES = [
+    "examples.nnx_lm.model:make_program",
+    pytest.param("examples.linen_lm.model:make_program", marks=pytest.mark.slow),
+    pytest.param("examples.equinox_lm.model:make_program", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("ref", RECIPES, ids=lambda r: r.split(".")[1])
+def test_a_recipe_program_made_by_a_factory_trains_on_its_token_files_across_meshes(
+    tmp_path, devices8, token_file, ref
+):
+    """The recipes for Flax NNX, Flax Linen and Equinox (`examples/*_lm`): a factory given the
+    job's settings (its steps set the schedule, `[options]` the token files), bfloat16 compute,
+    resumed from 8 devices on 4 at a checkpoint: the same losses as one run on 8 (within 1e-4
+    relative), the first segment's exactly."""
     from orchestrator.worker import Stop, run_segment
     from tests.test_worker import spec
 
-    ref, options = "examples.nnx_lm.model:make_program", {"train_tokens": [token_file]}
+    options = {"train_tokens": [token_file]}
     job = lambda folder, devices: spec(folder, devices, 10, program_ref=ref, global_batch=16, options=options)  # noqa: E731
     static = []
     run_segment(job(tmp_path / "static", 8), static.append)
