@@ -172,7 +172,7 @@ class JobController:
     def _record_status(self) -> None:
         seg = self._segment or {}
         goodput = self.summary.goodput or self.ledger.breakdown(self.wall())
-        recent = self.throughput.last(20).summary()
+        recent = self.throughput.recent(20)
         self._segment_medians()
         self.recorder.status(
             state=self.phase.value,

@@ -13,7 +13,8 @@ checkpoint is progress lost to the failure (as Google's goodput measurement coun
 
 from __future__ import annotations
 
-import dataclasses
+import collections
+import math
 import statistics
 
 USEFUL = "useful"
@@ -77,31 +78,99 @@ class Ledger:
         }
 
 
-@dataclasses.dataclass
-class Throughput:
-    """Per-step figures of process 0 (SPMD: every host runs the same steps)."""
+class RunningMedian:
+    """The median of every value added, in memory bounded by the values' spread rather than their
+    count: values are counted in bins 0.1% wide (on a log scale), and a bin that only ever saw one
+    value gives that value back exactly. So a status flush costs the same at step 10 and at step
+    10^6, and the median is within 0.1% of `statistics.median`'s (equal to it where the values
+    repeat, as step times do)."""
 
-    model_flops_per_step: float = 0.0
-    step_seconds: list[float] = dataclasses.field(default_factory=list)
-    tokens_per_second: list[float] = dataclasses.field(default_factory=list)
-    mfu: list[float] = dataclasses.field(default_factory=list)
+    RESOLUTION = math.log1p(1e-3)
+
+    def __init__(self, values=()):
+        self._bins: dict[int, list] = {}  # bin -> [count, the value if it is the only one seen]
+        self._count = 0
+        for x in values:
+            self.add(x)
+
+    def add(self, x: float) -> None:
+        key = self._bin(x)
+        entry = self._bins.get(key)
+        if entry is None:
+            self._bins[key] = [1, x]
+        else:
+            entry[0] += 1
+            if entry[1] is not None and entry[1] != x:
+                entry[1] = None
+        self._count += 1
+
+    def _bin(self, x: float) -> int:
+        # Zero, then negatives, below every positive bin (|log x| / RESOLUTION < 10^6 for floats).
+        if x <= 0:
+            return -(1 << 62) if x == 0 else -(1 << 62) - 10**7 - int(math.floor(math.log(-x) / self.RESOLUTION))
+        return int(math.floor(math.log(x) / self.RESOLUTION))
+
+    def _value(self, key: int) -> float:
+        count, exact = self._bins[key]
+        if exact is not None:
+            return exact
+        return math.exp((key + 0.5) * self.RESOLUTION)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def median(self) -> float | None:
+        if not self._count:
+            return None
+        lo, hi = (self._count - 1) // 2, self._count // 2  # the middle ranks
+        seen, found = 0, []
+        for key in sorted(self._bins):
+            n = self._bins[key][0]
+            for rank in (lo, hi):
+                if seen <= rank < seen + n:
+                    found.append(self._value(key))
+            seen += n
+            if len(found) == 2:
+                break
+        return (found[0] + found[1]) / 2
+
+
+RECENT = 64  # steps kept whole, for the figures of the last few (`Throughput.recent`)
+
+
+class Throughput:
+    """Per-step figures of the speaking process (SPMD: every host runs the same steps): medians
+    over every step, kept as running medians, and the last RECENT steps."""
+
+    FIELDS = ("step_seconds", "tokens_per_second", "mfu")
+
+    def __init__(self, model_flops_per_step: float = 0.0):
+        self.model_flops_per_step = model_flops_per_step
+        self._medians = {f: RunningMedian() for f in self.FIELDS}
+        self._recent: collections.deque = collections.deque(maxlen=RECENT)
 
     def add(self, report: dict) -> None:
-        self.step_seconds.append(report["seconds"])
-        self.tokens_per_second.append(report["tokens_per_second"])
-        self.mfu.append(report["mfu"])
+        values = (report["seconds"], report["tokens_per_second"], report["mfu"])
+        for f, x in zip(self.FIELDS, values):
+            self._medians[f].add(x)
+        self._recent.append(values)
 
-    def last(self, n: int) -> Throughput:
-        return Throughput(self.model_flops_per_step, self.step_seconds[-n:], self.tokens_per_second[-n:], self.mfu[-n:])
+    def recent(self, n: int) -> dict:
+        """`summary`'s figures over the last `n` steps (at most RECENT)."""
+        last = list(self._recent)[-n:]
+        med = lambda i: round(statistics.median(v[i] for v in last), 6) if last else None  # noqa: E731
+        return {
+            "steps_measured": len(last),
+            **{f: med(i) for i, f in enumerate(self.FIELDS)},
+            "model_flops_per_step": self.model_flops_per_step,
+        }
 
     def summary(self) -> dict:
         """Medians: the first step of a segment waits on lazy set-up and a save's step on the
         copy, so a mean would describe neither."""
-        med = lambda xs: round(statistics.median(xs), 6) if xs else None
+        med = lambda f: round(m, 6) if (m := self._medians[f].median()) is not None else None  # noqa: E731
         return {
-            "steps_measured": len(self.step_seconds),
-            "step_seconds": med(self.step_seconds),
-            "tokens_per_second": med(self.tokens_per_second),
-            "mfu": med(self.mfu),
+            "steps_measured": len(self._medians["step_seconds"]),
+            **{f: med(f) for f in self.FIELDS},
             "model_flops_per_step": self.model_flops_per_step,
         }

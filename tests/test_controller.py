@@ -2,6 +2,7 @@
 injected (as Ray Train tests swap `worker_group_cls`): pure logic, no Ray, no devices."""
 
 import itertools
+import math
 
 import pytest
 
@@ -306,3 +307,26 @@ def test_a_stop_is_bounded_by_its_grace_and_a_second_request_is_immediate():
     c.step()
     with pytest.raises(JobStopped):  # nothing trains yet: stop at once
         c.request_stop("stopped by signal SIGINT")
+
+
+def test_running_medians_match_statistics_in_memory_bounded_by_the_spread():
+    """The controller's medians over every step cost the same at any length of run."""
+    import random
+    import statistics
+
+    from orchestrator.goodput import RunningMedian, Throughput
+
+    rng = random.Random(3)
+    for n in (1, 2, 3, 10, 1001):
+        xs = [rng.uniform(0.05, 0.2) for _ in range(n)]
+        assert RunningMedian(xs).median() == pytest.approx(statistics.median(xs), rel=1e-3)
+        repeated = [0.1] * n + [0.25] * (n // 2)
+        assert RunningMedian(repeated).median() == statistics.median(repeated)  # exact where values repeat
+    m = RunningMedian()
+    for _ in range(100_000):
+        m.add(rng.uniform(0.05, 0.2))
+    assert len(m) == 100_000 and len(m._bins) <= 1 + int(math.log(4) / RunningMedian.RESOLUTION) + 1
+    t = Throughput()
+    for step in range(1, 200):
+        t.add({"seconds": 0.1, "tokens_per_second": float(step), "mfu": 0.5})
+    assert t.summary()["tokens_per_second"] == 100.0 and t.recent(20)["tokens_per_second"] == 189.5
