@@ -135,11 +135,12 @@ def test_a_job_on_token_files_resumes_exactly_on_other_meshes(tmp_path, devices8
 
 RECIPES = [
     "examples.nnx_lm.model:make_program",
-    pytest.param("examples.linen_lm.model:make_program", marks=pytest.mark.slow),
-    pytest.param("examples.equinox_lm.model:make_program", marks=pytest.mark.slow),
+    "examples.linen_lm.model:make_program",
+    "examples.equinox_lm.model:make_program",
 ]
 
 
+@pytest.mark.slow  # (40 to 80 s each: `make test-slow`, which CI runs)
 @pytest.mark.parametrize("ref", RECIPES, ids=lambda r: r.split(".")[1])
 def test_a_recipe_program_made_by_a_factory_trains_on_its_token_files_across_meshes(
     tmp_path, devices8, token_file, ref
