@@ -76,16 +76,25 @@ def mesh_shardings(devices, axes, shape):
 
 
 def test_host_batches_are_the_global_order_on_any_mesh(tmp_path, devices8):
-    path = write(tmp_path / "t.bin", np.arange(4001) % 50000)
+    """Step 5 of a batch of 24 is the same examples on 4 hosts of 2 devices, on 3 hosts (6 devices),
+    laid out data-parallel or data x model, and after a resume that left off at step 3."""
+    path = write(tmp_path / "t.bin", np.arange(8001) % 50000)
     ds = TokenFiles((path,), seq_len=16, seed=1).dataset()
-    expected = np.stack([ds[5 * 8 + r]["inputs"] for r in range(8)])  # step 5 of a batch of 8
-    for shape, axes in (((8,), ("data",)), ((4, 2), ("data", "model")), ((2, 4), ("data", "model"))):
-        shardings, jax = mesh_shardings(devices8, axes, shape)
-        batch = HostBatches(ds, 8, shardings)(5)
+    expected = np.stack([ds[5 * 24 + r]["inputs"] for r in range(24)])
+    layouts = [
+        (devices8, (8,), ("data",)),
+        (devices8, (4, 2), ("data", "model")),
+        (devices8, (2, 4), ("data", "model")),
+        (devices8[:6], (6,), ("data",)),
+        (devices8[:6], (3, 2), ("data", "model")),
+    ]
+    for devices, shape, axes in layouts:
+        shardings, jax = mesh_shardings(devices, axes, shape)
+        batch = HostBatches(ds, 24, shardings)(5)
         assert batch["inputs"].sharding == shardings["inputs"]
         np.testing.assert_array_equal(np.asarray(batch["inputs"]), expected)
-    resumed = HostBatches(ds, 8, shardings, first_step=3, first_example=40)  # left off at step 3, example 40
-    np.testing.assert_array_equal(np.asarray(resumed(3)["inputs"]), expected)
+        resumed = HostBatches(ds, 24, shardings, first_step=3, first_example=72)  # left off at step 3
+        np.testing.assert_array_equal(np.asarray(resumed(5)["inputs"]), expected)
 
 
 def test_each_process_reads_only_the_rows_its_devices_hold(devices8):
