@@ -117,7 +117,7 @@ def _bare(plan_json: str, args) -> float:
     import jax
 
     from orchestrator import load_program
-    from orchestrator.data import HostBatches
+    from orchestrator.data import DataPosition, HostBatches
     from orchestrator.program import abstract_inputs
     from partitioner import Plan
 
@@ -126,7 +126,8 @@ def _bare(plan_json: str, args) -> float:
     mesh = plan.bind(jax.devices())
     abstract_state, abstract_batch = abstract_inputs(program, args.batch)
     state_sh = plan.shardings(mesh, abstract_state, argnum=0)
-    batches = HostBatches(program.data, args.batch, plan.shardings(mesh, abstract_batch, argnum=1))
+    batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
+    batches = HostBatches(program.data, DataPosition(args.batch), batch_sh, abstract_batch)
     step = plan.jit(program.step, (abstract_state, abstract_batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
     state = jax.jit(program.init, out_shardings=state_sh)(jax.random.key(0))
     times = []

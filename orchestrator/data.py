@@ -178,25 +178,32 @@ def rows_held(shardings, shapes, devices=None) -> list[int]:
     return sorted(rows)
 
 
-class HostBatches:
-    """Global batches of `data`, each process reading only the rows its devices hold.
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """Where a job's steps fall in the data's global order: step `first_step` begins at example
+    `first_example` (where a restored job left off), and each step takes `global_batch`."""
 
-    `first_example`: the global index of step `first_step`'s first example (where a restored job
-    left off; `first_step * global_batch` for a job that never changed its batch)."""
-
-    def __init__(self, data, global_batch: int, shardings, first_step: int = 0, first_example: int = 0):
-        self.data, self.global_batch, self.shardings = data, global_batch, shardings
-        self.first_step, self.first_example = first_step, first_example
-        self.shapes = abstract_batch(data, global_batch)
-        self.rows = rows_held(shardings, self.shapes)
+    global_batch: int
+    first_step: int = 0
+    first_example: int = 0
 
     def example_index(self, step: int) -> int:
         """The global index of `step`'s first example."""
         return self.first_example + (step - self.first_step) * self.global_batch
 
+
+class HostBatches:
+    """Global batches of `data`, each process reading only the rows its devices hold. `shapes`:
+    the abstract global batch, where the caller has it (else one example is read for it)."""
+
+    def __init__(self, data, position: DataPosition, shardings, shapes=None):
+        self.data, self.position, self.shardings = data, position, shardings
+        self.shapes = shapes if shapes is not None else abstract_batch(data, position.global_batch)
+        self.rows = rows_held(shardings, self.shapes)
+
     def host_rows(self, step: int) -> dict[int, Any]:
         """This process's rows of `step`'s global batch: row -> example."""
-        start = self.example_index(step)
+        start = self.position.example_index(step)
         return {r: self.data[start + r] for r in self.rows}
 
     def __call__(self, step: int):
@@ -206,18 +213,16 @@ class HostBatches:
     def assemble(self, held: dict[int, Any]):
         import jax
 
-        def leaf(path, spec, sharding):
+        leaves = {r: jax.tree.leaves(example) for r, example in held.items()}  # in `shapes`' leaf order
+
+        def leaf(n, spec, sharding):
             def shard(index):
                 rows = range(*index[0].indices(spec.shape[0]))
-                block = np.stack([_at(held[r], path) for r in rows]) if len(rows) else np.zeros((0, *spec.shape[1:]))
+                block = np.stack([leaves[r][n] for r in rows]) if len(rows) else np.zeros((0, *spec.shape[1:]))
                 return block.astype(spec.dtype, copy=False)[(slice(None), *index[1:])]
 
             return jax.make_array_from_callback(spec.shape, sharding, shard, dtype=spec.dtype)
 
-        return jax.tree_util.tree_map_with_path(leaf, self.shapes, self.shardings)
-
-
-def _at(example, path):
-    for key in path:
-        example = example[getattr(key, "key", getattr(key, "idx", key))]
-    return example
+        specs, treedef = jax.tree.flatten(self.shapes)
+        shardings = treedef.flatten_up_to(self.shardings)
+        return treedef.unflatten([leaf(n, spec, sh) for n, (spec, sh) in enumerate(zip(specs, shardings))])

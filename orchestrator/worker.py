@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .chaos import SLOW_INPUT_SECONDS
+from .data import DataPosition
 from .digest import KIND as DIGEST_KIND
 from .digest import compile_digest, digest
 from .jobfile import CheckpointSpec
@@ -226,7 +227,8 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     lap("compile", **flops)
 
     state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap)
-    batches = _batches(program, spec.global_batch, batch_sh, first, first_example)
+    position = DataPosition(spec.global_batch, first, first_example)
+    batches = _batches(program, position, batch_sh, abstract_batch)
 
     tokens = spec.global_batch * program.tokens_per_example
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
@@ -265,11 +267,11 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             )
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
             if boundary:
-                _save(store, state, plan, digest_fn, done, batches.example_index(done), spec, report)
+                _save(store, state, plan, digest_fn, done, position.example_index(done), spec, report)
             stop = stops.agree(done, boundary, seconds)
             if stop is Stop.NOW and not boundary:
                 _save(
-                    store, state, plan, digest_fn, done, batches.example_index(done), spec, report
+                    store, state, plan, digest_fn, done, position.example_index(done), spec, report
                 )  # the step reached
             if boundary or stop is Stop.NOW:
                 lap("checkpoint", step=done)
@@ -395,29 +397,14 @@ def _save(store, state, plan, digest_fn, step: int, examples_seen: int, spec: Se
     store.save(step, state, plan=plan, meta=meta)
 
 
-def _batches(program, global_batch: int, shardings, first_step: int, first_example: int):
+def _batches(program, position, shardings, shapes):
     """step -> that step's global batch on the devices: each process reading the rows it holds
     of `program.data`, or slicing its rows out of `program.batch`'s whole batch."""
     if program.data is not None:
         from .data import HostBatches
 
-        return HostBatches(program.data, global_batch, shardings, first_step, first_example)
-    return _WholeBatches(program.batch, global_batch, shardings, first_step, first_example)
-
-
-@dataclasses.dataclass(frozen=True)
-class _WholeBatches:
-    batch: Callable[[int, int], Any]
-    global_batch: int
-    shardings: Any
-    first_step: int
-    first_example: int
-
-    def example_index(self, step: int) -> int:
-        return self.first_example + (step - self.first_step) * self.global_batch
-
-    def __call__(self, step: int):
-        return _global_batch(self.batch(step, self.global_batch), self.shardings)
+        return HostBatches(program.data, position, shardings, shapes)
+    return lambda step: _global_batch(program.batch(step, position.global_batch), shardings)
 
 
 def _global_batch(host_batch: Any, shardings: Any):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from orchestrator.data import DataError, HostBatches, TokenFiles, Windows, rows_held
+from orchestrator.data import DataError, DataPosition, HostBatches, TokenFiles, Windows, rows_held
 
 pytestmark = pytest.mark.fake_devices
 
@@ -90,10 +90,10 @@ def test_host_batches_are_the_global_order_on_any_mesh(tmp_path, devices8):
     ]
     for devices, shape, axes in layouts:
         shardings, jax = mesh_shardings(devices, axes, shape)
-        batch = HostBatches(ds, 24, shardings)(5)
+        batch = HostBatches(ds, DataPosition(24), shardings)(5)
         assert batch["inputs"].sharding == shardings["inputs"]
         np.testing.assert_array_equal(np.asarray(batch["inputs"]), expected)
-        resumed = HostBatches(ds, 24, shardings, first_step=3, first_example=72)  # left off at step 3
+        resumed = HostBatches(ds, DataPosition(24, first_step=3, first_example=72), shardings)  # left off at step 3
         np.testing.assert_array_equal(np.asarray(resumed(5)["inputs"]), expected)
 
 
