@@ -23,7 +23,7 @@ from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import Graph
 from .plan import Cost
-from .propagate import Propagation, per_device_bytes
+from .propagate import DeviceBytes, Propagation, per_device_bytes
 
 if TYPE_CHECKING:
     from .fold import Fold
@@ -42,9 +42,8 @@ def estimate(
         )
     else:
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], memory.materialized(graph)
-    compute = sum(
-        m * _op_seconds(graph, op, prop, mesh, hardware, mat) for op, m in zip(graph.ops, mult) if op.primitive != "tie"
-    )
+    size = DeviceBytes(graph, prop.shardings, mesh)
+    compute = sum(m * _op_seconds(row, prop, mesh, hardware, size) for row, m in zip(_work(graph, mat), mult) if row)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
@@ -74,9 +73,7 @@ def estimate(
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
         comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
     if fold is not None:
-        peak = fold.peak_bytes(
-            {v: device_bytes(graph, v, prop, mesh) for v in mat}, held, hardware.copies_transposed_lhs
-        )
+        peak = fold.peak_bytes({v: size[v] for v in mat}, held, hardware.copies_transposed_lhs)
     else:
         peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
     return Cost(compute, comm, sent, peak)
@@ -110,17 +107,30 @@ def _off_path(graph: Graph) -> set[int]:
     return {v for op in graph.ops for v in op.results if v not in feeds}
 
 
-def _op_seconds(graph: Graph, op, prop: Propagation, mesh, hardware: Hardware, materialized: set[int]) -> float:
-    axes = {a for assigned in prop.factor_axes[op.id].values() for a in assigned}
-    shards = math.prod(mesh[a] for a in axes)
-    flops = op.flops / shards
-    values = op.operands + op.results
-    if op.primitive in memory.FUSIBLE:
-        values = tuple(v for v in values if v in materialized)
-    moved = sum(device_bytes(graph, v, prop, mesh) for v in values if v >= 0)
-    seconds = max(flops / hardware.peak_flops, moved / hardware.memory_bandwidth)
-    if op.body is not None:  # loop bodies are not propagated into yet: priced unsharded
-        seconds += op.trips * sum(o.flops for o in op.body.ops) / hardware.peak_flops
+def _work(graph: Graph, materialized: set[int]) -> list[tuple | None]:
+    """Per op, what pricing it reads (found once per graph: every candidate asks): its id, flops,
+    the values it moves through memory (a fusible op only those materialized) and the flops of a
+    loop body; None for a tie."""
+    if graph._work is None or graph._work[0] is not materialized:
+        rows = []
+        for op in graph.ops:
+            values = op.operands + op.results
+            if op.primitive in memory.FUSIBLE:
+                values = tuple(v for v in values if v in materialized)
+            body = op.trips * sum(o.flops for o in op.body.ops) if op.body is not None else None
+            rows.append((op.id, op.flops, tuple(v for v in values if v >= 0), body) if op.primitive != "tie" else None)
+        graph._work = (materialized, rows)
+    return graph._work[1]
+
+
+def _op_seconds(row: tuple, prop: Propagation, mesh, hardware: Hardware, size: DeviceBytes) -> float:
+    op, flops, values, body = row
+    assigned = prop.factor_axes[op]
+    shards = math.prod(mesh[a] for a in {a for axes in assigned.values() for a in axes}) if assigned else 1
+    flops = flops / shards
+    seconds = max(flops / hardware.peak_flops, sum(size[v] for v in values) / hardware.memory_bandwidth)
+    if body is not None:  # loop bodies are not propagated into yet: priced unsharded
+        seconds += body / hardware.peak_flops
     return seconds
 
 

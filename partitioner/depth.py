@@ -124,13 +124,13 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)
     (depth,) = depths
-    traced, folding = [], 0.0
+    traced, folding, memo = [], 0.0, {}
     for k in SHALLOW:
         args = resized(abstract, found, k)
         if args is None:
             return None
         try:
-            graph = capture(with_free_variables_resized(fn, found, depth, k, abstract), *args, compact=True)
+            graph = capture(with_free_variables_resized(fn, found, depth, k, abstract, memo), *args, compact=True)
         except CaptureError:
             return None
         keys = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]

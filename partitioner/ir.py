@@ -98,10 +98,10 @@ class Graph:
     out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
     copies: list[Copies] = dataclasses.field(default_factory=list)  # a compact capture's replayed layers
     _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
-    _constants: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)
-    _op_info: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    _propagation: object | None = dataclasses.field(default=None, repr=False, compare=False)  # (`propagate`)
     _first_stage: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # (`propagate`)
     _off_path: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
+    _work: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one

@@ -24,6 +24,8 @@ broadcast, made so by moving its operand.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 import math
 from collections.abc import Collection, Mapping
 
@@ -72,11 +74,7 @@ def propagate(
     """
     annotations = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
     stages = [{v: s for v, s in annotations.items() if v in first}, annotations] if first else [annotations]
-    touching: dict[int, list[int]] = {}  # value -> the ops that read or make it
-    for op in graph.ops:
-        for v in op.operands + op.results:
-            if v >= 0:
-                touching.setdefault(v, []).append(op.id)
+    touching = _static(graph).touching
     shardings, factor_axes, takeovers = _run(graph, stages, mesh, max_sweeps, {}, touching)
     seeds = _seeds(graph, takeovers, annotations)
     if seeds:
@@ -128,36 +126,64 @@ def _stage(graph: Graph, state, stage, everything: bool, mesh, max_sweeps: int, 
     """Spread one stage's annotations to a fixed point, from every op (`everything`) or from the
     ops next to them."""
     shardings, fixed, factor_axes, claims, takeovers = state
-    info = _op_info(graph)
+    info = _static(graph).ops
     shardings.update(stage)
     fixed |= set(stage)
     new = {op.id for op in graph.ops} if everything else {o for v in stage for o in touching.get(v, ())}
+    sizes = _Products(mesh)
+    held: set[int] = set()  # broadcasts that did not read a smaller sharded value in the strict pass
+    dirty: set[int] = set()
+    work = (shardings, fixed, factor_axes, claims, sizes, takeovers, held)
     for strict in (True, False):
-        # Monotone: only ops next to a new annotation, then only the broadcasts held back.
-        dirty = new if strict else {op.id for op in graph.ops if info[op.id].broadcasting}
+        # Monotone: only ops next to a new annotation, then only the broadcasts that held back.
+        dirty = new if strict else held | {i for i in dirty if info[i].broadcasting}
         for sweep in range(max_sweeps):
-            order = graph.ops if sweep % 2 == 0 else reversed(graph.ops)
-            changed: set[int] = set()
-            for op in order:
-                if op.id in dirty:
-                    dirty.discard(op.id)
-                    for v in _step(
-                        graph,
-                        op,
-                        info[op.id],
-                        shardings,
-                        fixed,
-                        factor_axes[op.id],
-                        claims[op.id],
-                        mesh,
-                        sweep % 2 == 0,
-                        strict,
-                        takeovers,
-                    ):
-                        changed.add(v)
-                        dirty.update(touching[v])  # only ops that see a changed value can change anything
-            if not changed:
+            forward = sweep % 2 == 0
+            dirty = _sweep(dirty, forward, functools.partial(_visit, graph, info, touching, work, forward, strict))
+            if not dirty:
                 break
+
+
+def _visit(graph: Graph, info, touching, work, forward: bool, strict: bool, i: int) -> list[int]:
+    """`_step` op `i`; returns the ops that see a value it changed."""
+    shardings, fixed, factor_axes, claims, sizes, takeovers, held = work
+    changed = _step(
+        graph.ops[i], info[i], shardings, fixed, factor_axes[i], claims[i], sizes, forward, strict, takeovers, held
+    )
+    # Only ops that see a changed value can change anything; the op that changed it has already
+    # taken everything it can from it.
+    return [o for v in changed for o in touching[v] if o != i] if changed else changed
+
+
+def _sweep(dirty: set[int], forward: bool, visit) -> set[int]:
+    """Visit the dirty ops in program order (or reversed); an op made dirty ahead of the one
+    visited is visited in this sweep, one behind it in the next. Returns the next sweep's."""
+    sign = 1 if forward else -1
+    heap = sorted(sign * i for i in dirty)
+    queued, later = set(dirty), set()
+    while heap:
+        i = sign * heapq.heappop(heap)
+        queued.discard(i)
+        for o in visit(i):
+            if (o > i) == forward:
+                if o not in queued:
+                    queued.add(o)
+                    heapq.heappush(heap, sign * o)
+            else:
+                later.add(o)
+    return later
+
+
+class _Products(dict):
+    """Mesh axes -> the product of their sizes, computed once per axes."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def __missing__(self, axes):
+        self[axes] = n = math.prod(self.mesh[a] for a in axes)
+        return n
 
 
 def _seeds(graph: Graph, takeovers, annotations) -> dict[int, Sharding]:
@@ -188,33 +214,50 @@ class _OpInfo:
     writes_backward: tuple  # results then operands
 
 
-def _op_info(graph: Graph) -> list[_OpInfo]:
-    if graph._op_info is None:
-        out = []
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What every propagation on a graph reads and none changes, found once per graph."""
+
+    ops: list[_OpInfo]  # by op id
+    touching: dict[int, list[int]]  # value -> the ops that read or make it
+    constants: set[int]  # values computed from literals alone (`_constants`)
+    moved_instead: dict[int, list[int]]  # value -> what resharding it moves (`_communication`)
+
+
+def _static(graph: Graph) -> _Static:
+    if graph._propagation is None:
+        touching: dict[int, list[int]] = {}
         for op in graph.ops:
-            fwd = tuple(zip(op.operands, op.operand_dims)) + tuple(zip(op.results, op.result_dims))
-            bwd = tuple(zip(op.results, op.result_dims)) + tuple(zip(op.operands, op.operand_dims))
-            size = lambda v: graph.values[v].nbytes if v >= 0 else 0
-            ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))  # noqa: B023 (called within the iteration)
-            by_size = ranked(fwd)
-            carried: dict[int, int] = {}
-            for v, dims in zip(op.operands, op.operand_dims):
-                for factors in dims:
-                    for f in factors:
-                        carried[f] = max(carried.get(f, 0), size(v))
-            out.append(
-                _OpInfo(
-                    by_size[0][2] if by_size else 0,
-                    op.primitive in _BROADCASTING,
-                    carried,
-                    _reads(graph, by_size),
-                    _reads(graph, ranked(bwd)),
-                    _writes(graph, fwd),
-                    _writes(graph, bwd),
-                )
-            )
-        graph._op_info = out
-    return graph._op_info
+            for v in op.operands + op.results:
+                if v >= 0:
+                    touching.setdefault(v, []).append(op.id)
+        constants = _constants(graph)
+        graph._propagation = _Static(
+            [_info(graph, op) for op in graph.ops], touching, constants, _moved(graph, constants)
+        )
+    return graph._propagation
+
+
+def _info(graph: Graph, op: Op) -> _OpInfo:
+    fwd = tuple(zip(op.operands, op.operand_dims)) + tuple(zip(op.results, op.result_dims))
+    bwd = tuple(zip(op.results, op.result_dims)) + tuple(zip(op.operands, op.operand_dims))
+    size = lambda v: graph.values[v].nbytes if v >= 0 else 0
+    ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))
+    by_size = ranked(fwd)
+    carried: dict[int, int] = {}
+    for v, dims in zip(op.operands, op.operand_dims):
+        for factors in dims:
+            for f in factors:
+                carried[f] = max(carried.get(f, 0), size(v))
+    return _OpInfo(
+        by_size[0][2] if by_size else 0,
+        op.primitive in _BROADCASTING,
+        carried,
+        _reads(graph, by_size),
+        _reads(graph, ranked(bwd)),
+        _writes(graph, fwd),
+        _writes(graph, bwd),
+    )
 
 
 def _slots(dims, rank: int) -> tuple:
@@ -234,17 +277,17 @@ def _writes(graph: Graph, sides) -> tuple:
 
 
 def _step(
-    graph: Graph,
     op: Op,
     info: _OpInfo,
     shardings,
     fixed,
     assigned: dict,
     claims: dict,
-    mesh,
+    sizes: _Products,
     forward: bool,
     strict: bool,
     takeovers: list,
+    held: set[int],
 ) -> list[int]:
     # The largest values choose first, and in the first (strict) pass a value broadcast into a
     # larger elementwise op chooses nothing: a layer norm's sharded scale must not split the
@@ -253,12 +296,15 @@ def _step(
     gated = strict and info.broadcasting
     for value, nbytes, slots in info.reads if forward else info.reads_backward:
         sharding = shardings.get(value)
-        if sharding is None or (gated and nbytes < info.largest):
+        if sharding is None:
+            continue
+        if gated and nbytes < info.largest:
+            held.add(op.id)
             continue
         for d, factor in slots:
             axes = sharding[d]
-            if axes and factor not in assigned and _fits(op.factors[factor].size, axes, mesh):
-                taken = [f for f, a in assigned.items() if set(axes) & set(a)]
+            if axes and factor not in assigned and op.factors[factor].size % sizes[axes] == 0:
+                taken = [f for f, a in assigned.items() if not set(axes).isdisjoint(a)]
                 # An operand at least twice the size of the one that claimed the axis takes it
                 # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
                 # FSDP-split weight and batch-split activation want the same axis.
@@ -287,7 +333,7 @@ def _step(
                 proposed = list(current) if current is not None else [()] * len(shape)
                 used = {a for axes in proposed for a in axes}
             axes = assigned[factor]
-            if used.isdisjoint(axes) and _fits(shape[d], axes, mesh):
+            if used.isdisjoint(axes) and shape[d] % sizes[axes] == 0:
                 proposed[d] = axes
                 used.update(axes)
         if proposed is not None:
@@ -301,29 +347,10 @@ def _step(
 _BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
 
 
-def _fits(size: int, axes, mesh) -> bool:
-    return size % math.prod(mesh[a] for a in axes) == 0
-
-
 def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communication]:
     out = []
-    constant = _constants(graph)
-    # A scatter-add into a constant buffer (an embedding's or a label lookup's gradient) is
-    # made in whatever layout its reader wants by moving its small indices and updates instead.
-    scattered = {
-        op.results[0]: [v for v in op.operands if v >= 0 and v not in constant]
-        for op in graph.ops
-        if op.primitive == "scatter-add" and op.operands[0] in constant
-    }
-    # A broadcast (a norm's scale against the activations) is made in whatever layout its reader
-    # wants from its operand: moving the operand, not the broadcast value, is what that costs.
-    scattered.update(
-        {
-            op.results[0]: [op.operands[0]]
-            for op in graph.ops
-            if op.primitive == "broadcast_in_dim" and op.operands[0] >= 0 and op.operands[0] not in constant
-        }
-    )
+    static = _static(graph)
+    constant, scattered = static.constants, static.moved_instead
     for op in graph.ops:
         assigned = factor_axes[op.id]
         for f, axes in assigned.items():
@@ -352,13 +379,32 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
 def _constants(graph: Graph) -> set[int]:
     """Values computed from literals alone (a broadcast zero, an iota): XLA makes them in
     whatever sharding their reader wants."""
-    if graph._constants is None:
-        out: set[int] = set()
-        for op in graph.ops:
-            if op.body is None and all(v < 0 or v in out for v in op.operands):
-                out.update(op.results)
-        graph._constants = out
-    return graph._constants
+    out: set[int] = set()
+    for op in graph.ops:
+        if op.body is None and all(v < 0 or v in out for v in op.operands):
+            out.update(op.results)
+    return out
+
+
+def _moved(graph: Graph, constant: set[int]) -> dict[int, list[int]]:
+    """Values whose resharding moves other values instead."""
+    # A scatter-add into a constant buffer (an embedding's or a label lookup's gradient) is
+    # made in whatever layout its reader wants by moving its small indices and updates instead.
+    moved = {
+        op.results[0]: [v for v in op.operands if v >= 0 and v not in constant]
+        for op in graph.ops
+        if op.primitive == "scatter-add" and op.operands[0] in constant
+    }
+    # A broadcast (a norm's scale against the activations) is made in whatever layout its reader
+    # wants from its operand: moving the operand, not the broadcast value, is what that costs.
+    moved.update(
+        {
+            op.results[0]: [op.operands[0]]
+            for op in graph.ops
+            if op.primitive == "broadcast_in_dim" and op.operands[0] >= 0 and op.operands[0] not in constant
+        }
+    )
+    return moved
 
 
 def per_device_bytes(graph: Graph, value: int, shardings: Mapping[int, Sharding], mesh) -> int:
@@ -366,3 +412,20 @@ def per_device_bytes(graph: Graph, value: int, shardings: Mapping[int, Sharding]
     v = graph.values[value]
     parts = math.prod(math.prod(mesh[a] for a in axes) for axes in shardings.get(value, ()))
     return v.nbytes // max(parts, 1)
+
+
+class DeviceBytes(dict):
+    """Value -> its bytes on one device under `shardings`, each found once (`per_device_bytes`)."""
+
+    def __init__(self, graph: Graph, shardings: Mapping[int, Sharding], mesh):
+        super().__init__()
+        self.graph, self.shardings, self.parts = graph, shardings, {}
+        self.sizes = _Products(mesh)
+
+    def __missing__(self, value: int) -> int:
+        sharding = self.shardings.get(value, ())
+        parts = self.parts.get(sharding)
+        if parts is None:
+            parts = self.parts[sharding] = max(math.prod(self.sizes[axes] for axes in sharding), 1)
+        self[value] = n = self.graph.values[value].nbytes // parts
+        return n

@@ -158,14 +158,16 @@ _DEPTH_NAME = re.compile(r"layer|depth|block", re.IGNORECASE)  # num_layers, n_l
 _NESTING = 3  # how deep config objects are searched for the depth
 
 
-def with_free_variables_resized(fn, found: Sequence[Stack], depth: int, k: int, abstract: tuple = ()):
+def with_free_variables_resized(fn, found: Sequence[Stack], depth: int, k: int, abstract: tuple = (), memo=None):
     """`fn` with what it closes over (or a `functools.partial` binds) that holds the stacks' depth
     cut to `k` alike: a pytree holding a `depth`-long container at a stack's path (or a suffix of
     it: Equinox's static half of a model, `eqx.partition`'s other output), and an integer equal to
     `depth` named for layers, depth or blocks in a config dict, a dataclass or a Flax Linen module
     (`ViT(layers=96)`, `config.num_layers`), and a Flax NNX graphdef that one of the arguments
-    (`abstract`) is the state of. Where nothing matches, `fn` itself."""
-    resize = functools.partial(_free_value_resized, found=found, depth=depth, k=k, abstract=abstract)
+    (`abstract`) is the state of. Where nothing matches, `fn` itself. `memo`: a dict kept between
+    calls for the same `fn` at other `k`s (an NNX graph is merged once for all of them)."""
+    memo = {} if memo is None else memo
+    resize = functools.partial(_free_value_resized, found=found, depth=depth, k=k, abstract=abstract, memo=memo)
     if isinstance(fn, functools.partial):
         args, keywords = [resize(a) for a in fn.args], {n: resize(v) for n, v in fn.keywords.items()}
         if all(a is b for a, b in zip(args, fn.args)) and all(keywords[n] is v for n, v in fn.keywords.items()):
@@ -176,7 +178,7 @@ def with_free_variables_resized(fn, found: Sequence[Stack], depth: int, k: int, 
         return fn
     values = [_cell_value(c) for c in cells]
     new = [
-        v if v is _EMPTY else _depth_resized(n, v, found, depth, k, -1, abstract)
+        v if v is _EMPTY else _depth_resized(n, v, found, depth, k, -1, abstract, memo)
         for n, v in zip(fn.__code__.co_freevars, values)
     ]
     if all(a is b for a, b in zip(new, values)):
@@ -202,13 +204,15 @@ def _cell_value(cell):
         return _EMPTY
 
 
-def _free_value_resized(value, found: Sequence[Stack], depth: int, k: int, nesting: int = 0, abstract: tuple = ()):
+def _free_value_resized(
+    value, found: Sequence[Stack], depth: int, k: int, nesting: int = 0, abstract: tuple = (), memo=None
+):
     if type(value).__name__ == "GraphDef" and type(value).__module__.startswith("flax.nnx"):
-        return _nnx_graphdef_resized(value, abstract, depth, k)
+        return _nnx_graphdef_resized(value, abstract, depth, k, {} if memo is None else memo)
     if callable(value) and not dataclasses.is_dataclass(value):
         return value
     if isinstance(value, dict) and nesting < _NESTING:
-        new = {n: _depth_resized(n, v, found, depth, k, nesting, abstract) for n, v in value.items()}
+        new = {n: _depth_resized(n, v, found, depth, k, nesting, abstract, memo) for n, v in value.items()}
         if any(new[n] is not v for n, v in value.items()):
             return type(value)(new) if type(value) is not dict else new
     if _is_pytree_node(value):
@@ -218,7 +222,7 @@ def _free_value_resized(value, found: Sequence[Stack], depth: int, k: int, nesti
         updates = {}
         for f in dataclasses.fields(value):
             v = getattr(value, f.name, None)
-            if f.init and (n := _depth_resized(f.name, v, found, depth, k, nesting, abstract)) is not v:
+            if f.init and (n := _depth_resized(f.name, v, found, depth, k, nesting, abstract, memo)) is not v:
                 updates[f.name] = n
         if updates:
             try:  # a Linen module is copied by `clone`, which keeps it unbound
@@ -228,36 +232,53 @@ def _free_value_resized(value, found: Sequence[Stack], depth: int, k: int, nesti
     return value
 
 
-def _depth_resized(name, value, found, depth: int, k: int, nesting: int, abstract: tuple = ()):
+def _depth_resized(name, value, found, depth: int, k: int, nesting: int, abstract: tuple = (), memo=None):
     if type(value) is int:
         return k if value == depth and _DEPTH_NAME.search(str(name)) else value
-    return _free_value_resized(value, found, depth, k, nesting + 1, abstract)
+    return _free_value_resized(value, found, depth, k, nesting + 1, abstract, memo)
 
 
-def _nnx_graphdef_resized(graphdef, abstract: tuple, depth: int, k: int):
+def _nnx_graphdef_resized(graphdef, abstract: tuple, depth: int, k: int, memo: dict):
     """The graphdef of the object graph that `graphdef` and one of the arguments merge into, with
     every `depth`-long `nnx.List` (the layers) and every stack in a pytree attribute (an
-    optimizer's state mirroring them) cut to `k`; `graphdef` itself where no argument merges."""
+    optimizer's state mirroring them) cut to `k`; `graphdef` itself where no argument merges.
+    The merge (most of the cost, at full depth) is done once per graphdef and kept in `memo`."""
     from flax import nnx  # (only a step that closes over an NNX graphdef gets here)
 
+    if id(graphdef) not in memo:
+        memo[id(graphdef)] = (graphdef, _nnx_merged(nnx, graphdef, abstract, depth))
+    objects, stacked = memo[id(graphdef)][1]
+    if objects is None:
+        return graphdef
+    # Plain attribute writes: NNX's own would check every layer of the list put back, and these
+    # objects are this function's alone.
+    for node, name, _, cut in stacked:
+        object.__setattr__(node, name, cut(k))
+    try:
+        return nnx.graphdef(objects)
+    finally:
+        for node, name, value, _ in stacked:
+            object.__setattr__(node, name, value)
+
+
+def _nnx_merged(nnx, graphdef, abstract: tuple, depth: int):
+    """(the objects `graphdef` and an argument merge into, their `_nnx_stacks`), or (None, [])
+    where no argument merges or some stack cannot be cut."""
     for state in abstract:
         try:
             objects = nnx.merge(graphdef, state)
         except Exception:
             continue
-        cuts = _nnx_cuts(nnx, objects, depth, k)
-        if not cuts or any(value is None for _, _, value in cuts):
-            return graphdef
-        for node, name, value in cuts:
-            setattr(node, name, value)
-        return nnx.graphdef(objects)
-    return graphdef
+        stacked = _nnx_stacks(nnx, objects, depth)
+        return (objects, stacked) if stacked else (None, [])
+    return None, []
 
 
-def _nnx_cuts(nnx, objects, depth: int, k: int) -> list[tuple]:
-    """(node, attribute, value cut to `k`) for `_nnx_graphdef_resized`, walking the NNX objects'
-    attributes but not into the layers it cuts (a deep model's nodes are nearly all in them)."""
-    cuts, seen, todo = [], set(), list(objects) if isinstance(objects, (tuple, list)) else [objects]
+def _nnx_stacks(nnx, objects, depth: int) -> list[tuple]:
+    """(node, attribute, its value, k -> the value cut to k) for `_nnx_graphdef_resized`, walking
+    the NNX objects' attributes but not into the layers it cuts (a deep model's nodes are nearly
+    all in them)."""
+    out, seen, todo = [], set(), list(objects) if isinstance(objects, (tuple, list)) else [objects]
     while todo:
         node = todo.pop()
         if id(node) in seen:
@@ -267,12 +288,12 @@ def _nnx_cuts(nnx, objects, depth: int, k: int) -> list[tuple]:
             if name.startswith("_") or isinstance(value, nnx.Variable):
                 continue
             if isinstance(value, nnx.List) and len(value) == depth:
-                cuts.append((node, name, nnx.List(list(value)[:k])))
+                out.append((node, name, value, lambda k, value=value: nnx.List(list(value)[:k])))
             elif isinstance(value, nnx.Pytree):
                 todo.append(value)
             elif inner := [s for s in stacks(value) if s.depth == depth]:
-                cuts.append((node, name, resized(value, inner, k)))
-    return cuts
+                out.append((node, name, value, lambda k, value=value, inner=inner: resized(value, inner, k)))
+    return out
 
 
 def _is_pytree_node(value) -> bool:

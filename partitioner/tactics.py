@@ -78,18 +78,22 @@ class Inputs:
         return self.fold.graph
 
     @functools.cached_property
-    def mirror_keys(self) -> tuple[list, list]:
-        """Per leaf, what `_mirror_optimizer_state` looks up (built once: a deep model has ~10^4
-        leaves and every candidate mirrors): (value, its key below its container), and for the
-        leaves outside the batch, (value, each tail of its path, longest first)."""
+    def mirror_sources(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Per state leaf, the leaves whose sharding `_mirror_optimizer_state` would give it, in the
+        order it looks (built once: a deep model has ~10^4 leaves and every candidate mirrors):
+        for each tail of its path, longest first, the leaves with that shape and that path below
+        their container, the last first."""
         shape = lambda v: self.graph.values[v].shape
-        below = [(v, (shape(v), keys[1:])) for v, keys in zip(self.ids, self.keys)]
-        tails = [
-            (v, [(shape(v), keys[-n:]) for n in range(len(keys), 0, -1)])
-            for v, keys, a in zip(self.ids, self.keys, self.argnum)
-            if a not in self.batch_argnums
-        ]
-        return below, tails
+        below: dict[tuple, list[int]] = {}
+        for v, keys in zip(self.ids, self.keys):
+            below.setdefault((shape(v), keys[1:]), []).append(v)
+        out: dict[int, dict[int, None]] = {}  # a folded value stands for a leaf of every layer
+        for v, keys, a in zip(self.ids, self.keys, self.argnum):
+            if a in self.batch_argnums:
+                continue
+            tails = ((shape(v), keys[-n:]) for n in range(len(keys), 0, -1))
+            out.setdefault(v, {}).update((s, None) for t in tails for s in reversed(below.get(t, ())))
+        return [(v, tuple(found)) for v, found in out.items() if found]
 
     @functools.cached_property
     def weights(self) -> list:
@@ -563,14 +567,11 @@ def _mirror_optimizer_state(inputs: Inputs, annotations: Mapping[int, Sharding])
     """A state leaf with the same shape as an annotated one and the same path below its container
     (`opt/0/mu/layer0/w1` mirrors `params/layer0/w1`) gets the same sharding."""
     out = dict(annotations)
-    leaves, tails = inputs.mirror_keys
-    below: dict[tuple, Sharding] = {k: annotations[v] for v, k in leaves if v in annotations}
-    for v, keys in tails:
-        if v in out:
-            continue
-        hit = next((below[k] for k in keys if k in below), None)
-        if hit is not None:
-            out[v] = hit
+    for v, sources in inputs.mirror_sources:
+        if v not in out:
+            hit = next((annotations[s] for s in sources if s in annotations), None)
+            if hit is not None:
+                out[v] = hit
     return out
 
 
