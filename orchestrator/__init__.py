@@ -12,13 +12,14 @@ from .chaos import ChaosSpecError, Fault, parse_chaos
 from .data import DataError, TokenFiles
 from .jobfile import JobFileError, JobSpec, load_job, parse_job
 from .policies import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
-from .program import JobSettings, Program, ProgramError, check_program, load_program
+from .program import Evaluation, JobSettings, Program, ProgramError, check_program, load_program
 from .summary import RunSummary
 
 __all__ = [
     "ChaosSpecError",
     "Continue",
     "DataError",
+    "Evaluation",
     "Fail",
     "Failure",
     "FailurePolicy",

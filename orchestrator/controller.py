@@ -420,6 +420,10 @@ class JobController:
                 self._recovering_since = None
                 self.print(f"      recovered in {recovery:.1f} s")
             self._progress(r)
+        elif kind == "eval":
+            self.summary.record_eval(r["step"], r["loss"], r.get("metrics"))
+            self._event(kind, step=r["step"], at=now, seconds=r["seconds"], loss=r["loss"], metrics=r.get("metrics"))
+            self.print(f"eval  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  ({r['seconds']:.2f} s)")
         elif kind == "checkpoint_corrupt":
             self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
             self.print(

@@ -18,7 +18,7 @@ import math
 import statistics
 
 USEFUL = "useful"
-BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "lost")
+BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "eval", "lost")
 BADPUT_MEANING = {
     "startup": "spawning host actors, joining the jax.distributed group, loading the program, "
     "initialising state, stopping a group",
@@ -26,6 +26,7 @@ BADPUT_MEANING = {
     "compile": "jax.jit lowering and XLA compilation of the step",
     "restore": "reading the checkpoint onto the new plan",
     "checkpoint": "time the training loop was blocked by saves (device-to-host copy, final flush)",
+    "eval": "the program's evaluation on held-out data (Program.evaluation), every so many steps",
     "lost": "steps recomputed after a restore, and failure detection and tear-down",
 }
 
@@ -39,6 +40,7 @@ REPORT_CATEGORY = {
     "compile": "compile",
     "checkpoint": "checkpoint",
     "checkpoint_flush": "checkpoint",
+    "eval": "eval",
 }
 
 

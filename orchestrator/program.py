@@ -5,6 +5,7 @@
         step=train_step,                        # (state, batch) -> (state, {"loss": scalar, ...})
         data=TokenFiles(paths, seq_len).dataset(),  # data[i]: example i of the job's global order
         tokens_per_example=seq_len,             # for tokens/s
+        evaluation=remesh.Evaluation(eval_step, held_out, every=100),  # optional
     )
 
 `data` is any random-access dataset (a Grain `MapDataset`, or anything with `__getitem__`) whose
@@ -13,7 +14,8 @@ devices hold (`orchestrator.data`). Instead, `batch=lambda step, size: {...}` ma
 global batch for a step index (numpy, leading dim `size`) on every host: for synthetic data.
 Either must be deterministic, so a resized or resumed job sees exactly the same data; any
 randomness in the step (dropout) must come from a PRNG key kept in the state, so that it is
-checkpointed and restored with it.
+checkpointed and restored with it. `evaluation` runs an evaluation step on held-out data every
+so many steps, planned like the training step, its metrics reported like the training loss.
 """
 
 from __future__ import annotations
@@ -32,12 +34,37 @@ class ProgramError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """`step(state, batch) -> {"loss": scalar, ...}` on `batches` global batches of `data` (a
+    random-access dataset of held-out examples shaped as the training data's: examples 0 to
+    batches * global_batch - 1, the same ones every time), after every `every`-th training step;
+    each metric is reported as its mean over the batches."""
+
+    step: Callable[[Any, Any], Mapping[str, Any]]
+    data: Any
+    every: int
+    batches: int = 1
+
+    def __post_init__(self):
+        if self.every < 1 or self.batches < 1:
+            raise ProgramError(
+                f"Evaluation every= and batches= must be at least 1, got every={self.every}, batches={self.batches}"
+            )
+        if not hasattr(self.data, "__getitem__"):
+            raise ProgramError(
+                f"Evaluation data must support data[i] (held-out examples, e.g. a TokenFiles(...).dataset()), "
+                f"got {type(self.data).__name__}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     init: Callable[[Any], Any]
     step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]]
     batch: Callable[[int, int], Any] | None = None
     tokens_per_example: int = 1
     data: Any = None  # a random-access dataset of examples (`orchestrator.data`)
+    evaluation: Evaluation | None = None
 
     def __post_init__(self):
         if (self.batch is None) == (self.data is None):
@@ -142,17 +169,47 @@ def check_program(program: Program, global_batch: int, seed: int = 0):
                 f"program.batch(step, {global_batch}) leaf {leaf_path(path)} has shape {shape}; "
                 f"expected leading dimension {global_batch} (the job's global_batch)"
             )
-    try:
-        out = jax.eval_shape(program.step, state, abstract_batch)
-    except Exception as e:
-        raise ProgramError(f"program.step(state, batch) failed: {type(e).__name__}: {e}") from e
+    out = _shapes_of(program.step, "program.step(state, batch)", state, abstract_batch)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping) and "loss" in out[1]):
         raise ProgramError("program.step must return (state, metrics) with metrics a dict holding 'loss'")
     if jax.tree.structure(out[0]) != jax.tree.structure(state):
         raise ProgramError("program.step must return a new state with the same structure as program.init's")
     _check_metrics(out[1])
     _check_state_handling(state)
+    if program.evaluation is not None:
+        _check_evaluation(program.evaluation, state, abstract_batch, global_batch)
     return state, abstract_batch
+
+
+def _shapes_of(fn, call: str, *args):
+    """`fn(*args)` evaluated on shapes; an error in it names `call` and keeps the user's traceback."""
+    import jax
+
+    try:
+        return jax.eval_shape(fn, *args)
+    except Exception as e:
+        raise ProgramError(f"{call} failed: {type(e).__name__}: {e}") from e
+
+
+def _check_evaluation(evaluation: Evaluation, state, abstract_batch, global_batch: int) -> None:
+    """The held-out data must be shaped as the training data (the plan lays both out alike), and
+    the evaluation step must return a scalar loss."""
+    import jax
+
+    from .data import abstract_batch as abstract_of
+
+    try:
+        held_out = abstract_of(evaluation.data, global_batch)
+    except Exception as e:
+        raise ProgramError(f"program.evaluation.data[0] failed: {type(e).__name__}: {e}") from e
+    if held_out != abstract_batch:
+        raise ProgramError(
+            f"program.evaluation.data's examples must be shaped as the training data's (one plan lays out both): "
+            f"expected batches of {abstract_batch}, got {held_out}"
+        )
+    out = _shapes_of(evaluation.step, "program.evaluation.step(state, batch)", state, abstract_batch)
+    if not (isinstance(out, Mapping) and "loss" in out and jax.numpy.ndim(out["loss"]) == 0):
+        raise ProgramError("program.evaluation.step must return a dict of metrics holding a scalar 'loss'")
 
 
 def _check_metrics(metrics: Mapping) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 EVENT_KINDS = (
@@ -15,15 +17,52 @@ EVENT_KINDS = (
     "compile",
     "group_start",
     "checkpoint_corrupt",
+    "eval",
 )
+
+
+class StepSeries(MutableMapping):
+    """step -> value, held as 9 bytes a step (a float64 and a flag): a long run's per-step losses
+    and metrics cost the controller little, where a dict costs about 100 bytes a step."""
+
+    def __init__(self, items=()):
+        self._values, self._present = array.array("d"), bytearray()
+        self.update(items)
+
+    def __setitem__(self, step: int, value: float) -> None:
+        if step < 0:
+            raise KeyError(step)
+        if step >= len(self._present):
+            grow = max(step + 1, 2 * len(self._present)) - len(self._present)
+            self._values.extend([0.0] * grow)
+            self._present.extend(bytes(grow))
+        self._values[step], self._present[step] = value, 1
+
+    def __getitem__(self, step: int) -> float:
+        if not (0 <= step < len(self._present) and self._present[step]):
+            raise KeyError(step)
+        return self._values[step]
+
+    def __delitem__(self, step: int) -> None:
+        self[step]  # noqa: B018 (raises KeyError where absent)
+        self._present[step] = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return (s for s, p in enumerate(self._present) if p)
+
+    def __len__(self) -> int:
+        return self._present.count(1)
+
+    def __repr__(self) -> str:
+        return f"StepSeries({dict(self.items())})"
 
 
 @dataclasses.dataclass
 class RunSummary:
     job: str
     steps: int
-    losses: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> loss (last run wins)
-    metrics: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)  # name -> step -> value
+    losses: StepSeries = dataclasses.field(default_factory=StepSeries)  # step -> loss (last run wins)
+    metrics: dict[str, StepSeries] = dataclasses.field(default_factory=dict)  # name -> step -> value
     # The highest step known done: reported by a host, or restored from a checkpoint (a resumed
     # run starts from there). An int kept up to date, so asking for it costs nothing per report.
     steps_completed: int = 0
@@ -46,8 +85,13 @@ class RunSummary:
     def record_step(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:
         self.losses[step] = loss
         for name, value in (metrics or {}).items():
-            self.metrics.setdefault(name, {})[step] = value
+            self.metrics.setdefault(name, StepSeries())[step] = value
         self.reached(step)
+
+    def record_eval(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:
+        """An evaluation after `step`: kept beside the training metrics as `eval/loss`, `eval/...`."""
+        for name, value in {"loss": loss, **(metrics or {})}.items():
+            self.metrics.setdefault(f"eval/{name}", StepSeries())[step] = value
 
     def reached(self, step: int) -> None:
         """`step` is known done (a restore of it, or a step report)."""

@@ -136,6 +136,43 @@ class _Laps:
         self._last = now
 
 
+@dataclasses.dataclass
+class _Dispatched:
+    """A step dispatched to the devices whose metrics are not yet read back."""
+
+    step: int
+    metrics: Any
+    input_seconds: float
+    evaluation: list | None = None  # metrics of each held-out batch, evaluated after the step
+
+    def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float) -> float:
+        """Wait for the step's metrics and report it, then its evaluation's (the mean of each
+        metric over the held-out batches) as an "eval" lap; returns the step's time."""
+        import jax
+
+        t_wait = time.time()
+        values = scalar_metrics(jax.device_get(self.metrics))
+        seconds, now = lap.split()
+        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
+        # time each host waited for its metrics can: the straggler waits least, the others for it.
+        lap(
+            "step",
+            now=now,
+            step=self.step,
+            loss=values.pop("loss"),
+            metrics=values,
+            tokens_per_second=tokens / seconds,
+            mfu=model_flops / (seconds * peak),
+            input_seconds=self.input_seconds,
+            wait_seconds=now - t_wait,
+        )
+        if self.evaluation:
+            batches = [scalar_metrics(jax.device_get(m)) for m in self.evaluation]
+            mean = {k: sum(b[k] for b in batches) / len(batches) for k in batches[0]}
+            lap("eval", step=self.step, loss=mean.pop("loss"), metrics=mean)
+        return seconds
+
+
 class Stop(enum.IntEnum):
     """What the controller asked of a running segment."""
 
@@ -222,6 +259,12 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
         share = lambda lowered: _compile_once(lowered, spec)
         pending = pool.submit(compile_digest, target, share) if spec.digest else None
         compiled = share(step_fn.lower(abstract_state, abstract_batch))
+        evaluation = program.evaluation
+        if evaluation is not None:
+            eval_fn = plan.jit(
+                evaluation.step, (abstract_state, abstract_batch), jax.devices(), replicated_outputs=True
+            )
+            eval_compiled = share(eval_fn.lower(abstract_state, abstract_batch))
         digest_fn = pending.result() if pending else None
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", **flops)
@@ -229,6 +272,10 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap)
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
+    if evaluation is not None:
+        from .data import HostBatches
+
+        held_out = HostBatches(evaluation.data, DataPosition(spec.global_batch), batch_sh, abstract_batch)
 
     tokens = spec.global_batch * program.tokens_per_example
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
@@ -239,6 +286,11 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     # a step waits for it is its input time.
     prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-input")
     upcoming = prefetch.submit(batches, first) if first < spec.steps else None
+    # A step's metrics are read back after the next step is dispatched, so the device is never
+    # idle while the host waits for them; a step whose state is saved (or stopped at) is read
+    # back first, since the next step donates that state.
+    pending: _Dispatched | None = None
+    seconds = 0.0  # the last step's time, read back
     try:
         for index in range(first, spec.steps):
             t_input = time.time()
@@ -248,32 +300,19 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
                 time.sleep(SLOW_INPUT_SECONDS)
             t_dispatch = time.time()
             state, metrics = compiled(state, batch)
-            t_wait = time.time()
-            values = scalar_metrics(jax.device_get(metrics))  # also the step's sync point
+            if pending is not None:
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak)
+            pending = _Dispatched(index + 1, metrics, t_dispatch - t_input)
             done = index + 1
-            seconds, now = lap.split()
-            # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
-            # time each host waited at the sync point can: the straggler waits least, the others for it.
-            lap(
-                "step",
-                now=now,
-                step=done,
-                loss=values.pop("loss"),
-                metrics=values,
-                tokens_per_second=tokens / seconds,
-                mfu=flops["model_flops"] / (seconds * peak),
-                input_seconds=t_dispatch - t_input,
-                wait_seconds=now - t_wait,
-            )
+            if evaluation is not None and done % evaluation.every == 0:
+                # Dispatched before the next step donates the state; read back with this step.
+                pending.evaluation = [eval_compiled(state, held_out(b)) for b in range(evaluation.batches)]
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
-            if boundary:
-                _save(store, state, plan, digest_fn, done, position.example_index(done), spec, report)
             stop = stops.agree(done, boundary, seconds)
-            if stop is Stop.NOW and not boundary:
-                _save(
-                    store, state, plan, digest_fn, done, position.example_index(done), spec, report
-                )  # the step reached
             if boundary or stop is Stop.NOW:
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak)
+                pending = None
+                _save(store, state, plan, digest_fn, done, position.example_index(done), spec, report)
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
                 break

@@ -123,6 +123,7 @@ class Plan:
         *,
         carry: Mapping[int, int] | None = None,
         donate_argnums: Sequence[int] = (),
+        replicated_outputs: bool = False,
         **jit_kwargs,
     ):
         """`fn` jitted with this plan's shardings on `devices`: the one way a plan is compiled.
@@ -132,13 +133,18 @@ class Plan:
         argument's shardings, so its donated buffers are reused in place and the next call needs
         no reshard. Other outputs take the plan's `out_specs`; those it keeps replicated (metrics)
         are given as one replicated prefix, so `fn` need not be traced to learn their tree.
+        `replicated_outputs`: every output replicated, for another function of the planned
+        arguments whose small outputs the plan does not name (an evaluation step's metrics).
 
         Example:
             >>> step = plan.jit(train_step, (state, batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
         """
         mesh = self.bind(devices)
         ins = tuple(self.shardings(mesh, a, argnum=i) for i, a in enumerate(args))
-        outs = self._carried_outputs(mesh, ins, carry) if carry else None
+        if replicated_outputs:
+            outs = NamedSharding(mesh, PartitionSpec())
+        else:
+            outs = self._carried_outputs(mesh, ins, carry) if carry else None
         if outs is None:  # by key path, so JSON plans work too
             outs = self.shardings(mesh, jax.eval_shape(fn, *args))
         return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=tuple(donate_argnums), **jit_kwargs)

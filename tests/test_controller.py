@@ -25,6 +25,7 @@ class World:
         self.survivors_report = False  # hosts still alive answer the poll that finds the loss
         self.stall = False  # groups end before training (a host that exits at once, say)
         self.ignore_stop = False  # groups that never act on a stop request (a hung host)
+        self.eval_every = 0  # groups evaluate after every so many steps (0: never)
 
     def alive_hosts(self):
         return list(self.alive)
@@ -81,6 +82,9 @@ def fake_group_cls(world, every, now):
                 return [HostStatus([*pending, saved(self.step)], True, None) for _ in range(self.size)]
             self.step += 1
             reports = [*pending, stepped(self.step)]
+            if world.eval_every and self.step % world.eval_every == 0:
+                reports.append({"kind": "eval", "step": self.step, "loss": 2.0 / self.step, "seconds": 0.05,
+                                "at": now(), "metrics": {"accuracy": 0.5}})  # fmt: skip
             done = False
             if self.step % every == 0:
                 world.committed = self.step
@@ -236,6 +240,24 @@ def test_goodput_parts_add_up_to_wall_time_and_recomputed_steps_are_lost():
     assert g["badput_seconds"]["planning"] > 0 and g["badput_seconds"]["startup"] > 0
     assert summary.throughput["mfu"] == 0.5 and summary.throughput["steps_measured"] == 22
     assert [s["median_step_seconds"] for s in summary.segments] == [0.1, 0.1]
+
+
+def test_evaluations_are_reported_like_the_training_loss_and_charged_as_eval():
+    world = World(4)
+    world.eval_every = 4
+    c = make(world, chaos=parse_chaos("lose@12"), steps=20)
+    summary = c.run()
+    d = summary.to_dict()
+    evaluated = [s for s in range(1, 21) if s % 4 == 0]
+    assert [i + 1 for i, x in enumerate(d["metrics"]["eval/loss"]) if x is not None] == evaluated
+    assert all(d["metrics"]["eval/loss"][s - 1] == 2.0 / s for s in evaluated)
+    assert {d["metrics"]["eval/accuracy"][s - 1] for s in evaluated} == {0.5}
+    assert len(d["losses"]) == 20 and None not in d["losses"]  # training losses unaffected
+    # Step 12 is evaluated twice (before the loss after it and after the restore from 10): both charged.
+    assert [e["step"] for e in d["events"] if e["kind"] == "eval"] == [4, 8, 12, 12, 16, 20]
+    g = summary.goodput
+    assert g["badput_seconds"]["eval"] == pytest.approx(6 * 0.05)
+    assert g["useful_seconds"] + sum(g["badput_seconds"].values()) == pytest.approx(g["wall_seconds"], abs=1e-6)
 
 
 @pytest.mark.parametrize("lost_host", [0, 3])

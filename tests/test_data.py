@@ -115,19 +115,22 @@ def test_each_process_reads_only_the_rows_its_devices_hold(devices8):
 def token_file(tmp_path_factory):
     from examples.gpt.model import write_tokens
 
-    path = str(tmp_path_factory.mktemp("tokens") / "train.bin")
+    folder = tmp_path_factory.mktemp("tokens")
+    path, held_out = str(folder / "train.bin"), str(folder / "eval.bin")
     write_tokens(path, 40_000)
-    os.environ["REMESH_TEST_TOKENS"] = path
+    write_tokens(held_out, 4_000, seed=1)
+    os.environ["REMESH_TEST_TOKENS"], os.environ["REMESH_TEST_EVAL_TOKENS"] = path, held_out
     return path
 
 
 def test_a_job_on_token_files_resumes_exactly_on_other_meshes(tmp_path, devices8, token_file):
     """8 -> 6 -> 8 devices, stopping at checkpoints, against one run on 8: the same loss at every
-    step (within 1e-4 relative), and each resume starts where the data left off."""
+    step (within 1e-4 relative), each resume starts where the data left off, and the held-out
+    evaluations every 5 steps agree too."""
     from orchestrator.worker import run_segment
     from tests.test_worker import spec
 
-    ref = "tests.programs.token_gpt:program"
+    ref = "tests.programs.token_gpt:evaluated"
     static = []
     run_segment(spec(tmp_path / "static", 8, 15, program_ref=ref), static.append)
     elastic = []
@@ -138,6 +141,12 @@ def test_a_job_on_token_files_resumes_exactly_on_other_meshes(tmp_path, devices8
     losses = lambda reports: [r["loss"] for r in reports if r["kind"] == "step"]  # noqa: E731
     assert len(losses(elastic)) == len(losses(static)) == 15
     np.testing.assert_allclose(losses(elastic), losses(static), rtol=1e-4)
+    evals = lambda reports: {r["step"]: r["loss"] for r in reports if r["kind"] == "eval"}  # noqa: E731
+    assert sorted(evals(elastic)) == sorted(evals(static)) == [5, 10, 15]
+    np.testing.assert_allclose(
+        [evals(elastic)[s] for s in (5, 10, 15)], [evals(static)[s] for s in (5, 10, 15)], rtol=1e-4
+    )
+    assert evals(static)[15] < evals(static)[5]  # what it learnt holds on data it never saw
     meta = __import__("json").load(open(tmp_path / "elastic" / "ckpt" / "15" / "remesh.json"))
     assert meta["meta"]["examples_seen"] == 15 * 24
 

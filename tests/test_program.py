@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orchestrator import Program, ProgramError, check_program, load_program
+from orchestrator import Evaluation, Program, ProgramError, check_program, load_program
 
 pytestmark = pytest.mark.unit
 
@@ -74,6 +74,20 @@ def test_a_program_takes_data_or_batch():
     program = good_program(batch=None, data=[{"x": np.full(4, i, np.float32)} for i in range(32)])
     state, batch = check_program(program, 8)
     assert batch["x"].shape == (8, 4) and batch["x"].dtype == np.float32
+
+
+def test_an_evaluation_must_match_the_training_data_and_return_a_scalar_loss():
+    examples = lambda width: [{"x": np.full(width, i, np.float32)} for i in range(32)]  # noqa: E731
+    evaluate = lambda s, b: {"loss": jnp.sum(s["w"]) + jnp.sum(b["x"])}  # noqa: E731
+    check_program(good_program(evaluation=Evaluation(evaluate, examples(4), every=5, batches=2)), 8)
+    with pytest.raises(ProgramError, match="shaped as the training data"):
+        check_program(good_program(evaluation=Evaluation(evaluate, examples(3), every=5)), 8)
+    with pytest.raises(ProgramError, match="scalar 'loss'"):
+        check_program(good_program(evaluation=Evaluation(lambda s, b: {"acc": 1.0}, examples(4), every=5)), 8)
+    with pytest.raises(ProgramError, match="at least 1"):
+        Evaluation(evaluate, examples(4), every=0)
+    with pytest.raises(ProgramError, match="must support data"):
+        Evaluation(evaluate, 3, every=5)
 
 
 def test_check_program_accepts_a_good_program():

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from orchestrator import Program, TokenFiles
+from orchestrator import Evaluation, Program, TokenFiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +147,19 @@ def make_program(cfg: GPTConfig = GPTConfig()) -> Program:
     return Program(init=init, step=step, batch=batch, tokens_per_example=cfg.seq_len)
 
 
-def make_token_program(paths, cfg: GPTConfig = GPTConfig(), seed: int = 0, dtype: str = "uint16") -> Program:
-    """The same model trained on flat token files (ids below `cfg.vocab`), shuffled by `seed`."""
+def make_token_program(
+    paths, cfg: GPTConfig = GPTConfig(), seed: int = 0, dtype: str = "uint16", held_out=(), eval_every: int = 0
+) -> Program:
+    """The same model trained on flat token files (ids below `cfg.vocab`), shuffled by `seed`;
+    with `held_out` token files, evaluated on two batches of them every `eval_every` steps."""
     data = TokenFiles(tuple(paths), cfg.seq_len, dtype=dtype, seed=seed).dataset()
-    return dataclasses.replace(make_program(cfg), batch=None, data=data)
+    evaluation = None
+    if held_out:
+        held = TokenFiles(tuple(held_out), cfg.seq_len, dtype=dtype, seed=seed).dataset()
+        evaluation = Evaluation(
+            lambda state, batch: {"loss": loss_fn(state["params"], batch, cfg)}, held, eval_every, 2
+        )
+    return dataclasses.replace(make_program(cfg), batch=None, data=data, evaluation=evaluation)
 
 
 def write_tokens(path: str, tokens: int, cfg: GPTConfig = GPTConfig(), seed: int = 0) -> None:

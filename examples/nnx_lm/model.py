@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from orchestrator import JobSettings, Program, TokenFiles
+from orchestrator import Evaluation, JobSettings, Program, TokenFiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,9 @@ class LM(nnx.Module):
 
 def make_program(settings: JobSettings, config: LMConfig = LMConfig()) -> Program:
     """The job's program: `settings.options["train_tokens"]` (a path or a list of them) are flat
-    uint16 token files; `seq_len` and `learning_rate` there override the config's."""
+    uint16 token files; `seq_len` and `learning_rate` there override the config's. With
+    `eval_tokens` (held-out token files), the model is evaluated on `eval_batches` batches of them
+    (default 2) every `eval_every` steps (default 20)."""
     options = dict(settings.options)
     c = dataclasses.replace(config, **{k: options[k] for k in ("seq_len", "learning_rate") if k in options})
     schedule = optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, max(1, settings.steps // 10), settings.steps)
@@ -77,20 +79,32 @@ def make_program(settings: JobSettings, config: LMConfig = LMConfig()) -> Progra
     def init(key):
         return nnx.state(build(key))
 
+    def loss_fn(model, batch):
+        logits = model(batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(m):
-            logits = m(batch["inputs"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    paths = options.get("train_tokens")
-    if not paths:
-        raise ValueError('the job file\'s [options] needs train_tokens = ["path/to/train.bin", ...]')
-    paths = (paths,) if isinstance(paths, str) else tuple(paths)
-    data = TokenFiles(paths, c.seq_len, seed=settings.seed).dataset()
-    return Program(init=init, step=step, data=data, tokens_per_example=c.seq_len)
+    def evaluate(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        return {"loss": loss_fn(model, batch)}
+
+    data = TokenFiles(_paths(options, "train_tokens", required=True), c.seq_len, seed=settings.seed).dataset()
+    evaluation = None
+    if held_out := _paths(options, "eval_tokens"):
+        held = TokenFiles(held_out, c.seq_len, seed=settings.seed).dataset()
+        evaluation = Evaluation(
+            evaluate, held, every=options.get("eval_every", 20), batches=options.get("eval_batches", 2)
+        )
+    return Program(init=init, step=step, data=data, tokens_per_example=c.seq_len, evaluation=evaluation)
+
+
+def _paths(options, key: str, required: bool = False) -> tuple[str, ...]:
+    paths = options.get(key)
+    if not paths and required:
+        raise ValueError(f'the job file\'s [options] needs {key} = ["path/to/tokens.bin", ...]')
+    return (paths,) if isinstance(paths, str) else tuple(paths or ())
