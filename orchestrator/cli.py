@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--store", help="fleet store to read progress from (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
             )
+            p.add_argument("--dashboard", help="read progress from a `remesh dashboard` at this URL instead")
             p.add_argument("--json", action="store_true")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
@@ -155,7 +156,8 @@ def _status(args) -> int:
 
     from .submit import list_jobs, status
 
-    found = [status(args.address, args.id, store=args.store)] if args.id else list_jobs(args.address, store=args.store)
+    where = {"store": args.store, "dashboard": args.dashboard}
+    found = [status(args.address, args.id, **where)] if args.id else list_jobs(args.address, **where)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in found], indent=2))
     else:

@@ -49,6 +49,8 @@ def job_detail(store: FleetStore, name: str, points: int = STEP_POINTS, run: int
         return None
     run = job["run"]
     every = max(1, -(-store.last_step(run) // max(1, points)))
+    stride = job.get("step_stride") or 1  # a long run keeps rows only at multiples of it
+    every = -(-every // stride) * stride
     return {
         "job": job,
         "run": run,

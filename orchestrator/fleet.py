@@ -4,8 +4,11 @@ Several jobs on several clusters may write to one store at once (WAL mode, a bus
 short transaction per batch), and `remesh dashboard` reads it. Each attempt at a job (a `remesh run`
 or `remesh submit`, including a re-run of the same job name) is a run with its own id. Three tables:
 `runs` (one row per run: its job's name, latest state, mesh, throughput, goodput), `events` (host
-losses, resizes, restores, checkpoints, compiles, plans) and `steps` (one row per step per host:
-loss, every other scalar metric, step time, tokens/s, MFU), both keyed by run. Structured columns
+losses, resizes, restores, checkpoints, compiles, plans) and `steps` (one row per kept step per
+host: loss, every other scalar metric, step time, tokens/s, MFU), both keyed by run. A run keeps
+rows for at most `FleetStoreConfig.step_rows` steps per host: past that its rows are thinned to
+every other kept step (each segment's first kept), so a long job's rows stay bounded and evenly
+spread, and `runs.step_stride` says which steps remain. Structured columns
 that vary (mesh, plan notes, an event's details, the goodput breakdown, metrics) are JSON text.
 A store written before runs existed is migrated when opened: each job becomes one run.
 """
@@ -36,6 +39,7 @@ CREATE TABLE IF NOT EXISTS runs (
     throughput TEXT NOT NULL DEFAULT '{}',
     segments TEXT NOT NULL DEFAULT '[]',
     reason TEXT NOT NULL DEFAULT '',
+    step_stride INTEGER NOT NULL DEFAULT 1,
     started_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
@@ -103,6 +107,7 @@ def default_path() -> str:
 class FleetStoreConfig:
     path: str = ""  # empty: default_path()
     busy_timeout_s: float = 30.0
+    step_rows: int = 4096  # steps per host a run keeps rows for; beyond, thinned evenly
 
     def open(self) -> FleetStore:
         return FleetStore(self.path or default_path(), self.busy_timeout_s)
@@ -126,7 +131,7 @@ class FleetStore:
 
     def _add_new_columns(self) -> None:
         """A store made by an older remesh gains the columns added since (with their defaults)."""
-        for table in ("events", "steps"):
+        for table in ("runs", "events", "steps"):
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for line in SCHEMA.split(f"CREATE TABLE IF NOT EXISTS {table} (")[1].split(");")[0].strip().splitlines():
                 column = line.strip().rstrip(",")
@@ -161,6 +166,18 @@ class FleetStore:
             ).lastrowid
         self._names[run] = name
         return run
+
+    def thin_steps(self, run: int, stride: int) -> int:
+        """Keep run `run`'s step rows only at steps divisible by `stride`, and each segment's first;
+        returns how many distinct steps remain."""
+        with self._db:
+            self._db.execute(
+                "DELETE FROM steps WHERE run = ? AND step % ? != 0 AND (segment, step) NOT IN "
+                "(SELECT segment, MIN(step) FROM steps WHERE run = ? GROUP BY segment)",
+                (run, stride, run),
+            )
+            self._db.execute("UPDATE runs SET step_stride = ? WHERE id = ?", (stride, run))
+        return self._db.execute("SELECT COUNT(DISTINCT step) FROM steps WHERE run = ?", (run,)).fetchone()[0]
 
     def update_run(self, run: int, **fields) -> None:
         unknown = set(fields) - set(RUN_COLUMNS)

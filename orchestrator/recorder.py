@@ -2,7 +2,9 @@
 
 `Recorder` is the no-op the controller uses when neither is wanted (tests driving the state
 machine); `FleetRecorder` buffers rows and writes them to the store at most once per
-`flush_interval_s`, so a job of fast steps does not hold the store's write lock for each one.
+`flush_interval_s`, so a job of fast steps does not hold the store's write lock for each one. It
+keeps rows for at most `step_rows` steps per host: when a run reaches that, the rows kept so far
+are thinned to every other step and only steps on the doubled stride are kept from then on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ class Recorder:
     def started(self) -> None: ...
     def event(self, event: dict) -> None: ...
     def step(self, host: int, segment: int, report: dict, speaker: bool) -> None: ...
+    def _thin(self) -> None:
+        self.flush(force=True)
+        self._stride *= 2
+        self.store.thin_steps(self.run, self._stride)
+        self._kept = {s for s in self._kept if s % self._stride == 0}
+
     def status(self, **fields) -> None: ...
     def due(self) -> bool:
         return False
@@ -23,10 +31,14 @@ class Recorder:
 
 
 class FleetRecorder(Recorder):
-    def __init__(self, store, job, *, cluster: str, metrics=None, flush_interval_s: float = 1.0):
+    def __init__(self, store, job, *, cluster: str, metrics=None, flush_interval_s: float = 1.0, step_rows: int = 4096):
         """`store`: a FleetStore; `metrics`: a RayMetrics for the job-wide gauges, or None."""
         self.store, self.job, self.cluster, self.metrics = store, job, cluster, metrics
         self.flush_interval_s = flush_interval_s
+        self.step_rows = step_rows
+        self._stride = 1  # rows are kept at steps divisible by it, and at each segment's first
+        self._kept: set[int] = set()  # the steps kept since the last thinning (at most step_rows)
+        self._firsts: dict[int, int] = {}  # segment -> its first step, whose rows are all kept
         self._events: list[dict] = []
         self._steps: list[dict] = []
         self._status: dict = {}
@@ -54,9 +66,20 @@ class FleetRecorder(Recorder):
             "wait_seconds",
             "metrics",
         )
-        self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in fields}})
+        step = report["step"]
+        if step % self._stride == 0 or self._firsts.setdefault(segment, step) == step:
+            self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in fields}})
+            self._kept.add(step)
+            if len(self._kept) > self.step_rows:
+                self._thin()
         if speaker and self.metrics:
             self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
+
+    def _thin(self) -> None:
+        self.flush(force=True)
+        self._stride *= 2
+        self.store.thin_steps(self.run, self._stride)
+        self._kept = {s for s in self._kept if s % self._stride == 0}
 
     def status(self, **fields) -> None:
         self._status.update(fields)

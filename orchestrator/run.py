@@ -80,7 +80,7 @@ def run_job(
         recorder = None
         if store is not None:
             name = cluster_name or os.environ.get("REMESH_CLUSTER") or _cluster_name(address)
-            recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics())
+            recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics(), step_rows=store.step_rows)
         controller = JobController(
             job,
             cluster,

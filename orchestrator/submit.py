@@ -4,8 +4,9 @@ The submitted entrypoint is `remesh run JOB --address auto`: the job controller 
 job's driver on the head node and places its host actors on the cluster's `remesh_host` nodes.
 Ray's token authentication applies as everywhere (the client reads RAY_AUTH_TOKEN_PATH or
 RAY_AUTH_TOKEN). `status` joins what Ray knows (the job's lifecycle) with what remesh knows
-(step, mesh, hosts, throughput, goodput) from the fleet store the job writes to, or, where that
-store is not reachable from here, from the job's latest progress line in its logs.
+(step, mesh, hosts, throughput, goodput) from the fleet store the job writes to: read directly
+where this machine sees the file, else through the JSON API of a `remesh dashboard` serving it
+(`--dashboard URL`). Never from the job's printed lines, whose wording is for people.
 """
 
 from __future__ import annotations
@@ -105,8 +106,11 @@ class JobStatus:
     remesh: dict  # from the fleet store (state, steps_completed, mesh, hosts, ...) or the logs
 
     def line(self) -> str:
+        """One line for people (`remesh status` without --json)."""
         r = self.remesh
         parts = [f"{self.submission_id}: {self.ray_status}"]
+        if not r:
+            parts.append(f"(remesh's own state is in the fleet store: {NO_STORE})")
         if r.get("state"):
             parts.append(f"remesh {r['state']}")
         if r.get("steps_completed") is not None and r.get("steps"):
@@ -126,11 +130,7 @@ class JobStatus:
         return "  ".join(parts)
 
 
-PROGRESS = re.compile(
-    r"^step\s+(?P<step>\d+)/(?P<steps>\d+)\s+loss\s+\S+\s+(?P<tps>[\d,]+) tok/s\s+MFU\s+(?P<mfu>[\d.]+)%"
-    r"\s+mesh (?P<mesh>.+?)\s+hosts (?P<hosts>\d+)$",
-    re.M,
-)
+NO_STORE = "pass --store PATH where this machine sees the file, or --dashboard URL of a `remesh dashboard` serving it"
 
 
 def _job(c, submission_id: str, call: str):
@@ -146,26 +146,30 @@ def _job(c, submission_id: str, call: str):
         raise
 
 
-def status(address: str, submission_id: str, *, store: str | None = None) -> JobStatus:
+def status(address: str, submission_id: str, *, store: str | None = None, dashboard: str | None = None) -> JobStatus:
     c = client(address)
     info = _job(c, submission_id, "get_job_info")
     name = (info.metadata or {}).get(METADATA_KEY) or submission_id
-    remesh = _from_store(name, store) or _from_logs(c.get_job_logs(submission_id))
-    return JobStatus(submission_id, name, str(info.status.value), info.message or "", remesh)
+    return JobStatus(
+        submission_id, name, str(info.status.value), info.message or "", remesh_state(name, store, dashboard)
+    )
 
 
-def list_jobs(address: str, *, store: str | None = None) -> list[JobStatus]:
+def list_jobs(address: str, *, store: str | None = None, dashboard: str | None = None) -> list[JobStatus]:
     c = client(address)
     out = []
     for info in c.list_jobs():
         name = (info.metadata or {}).get(METADATA_KEY)
         if name and info.submission_id:
-            out.append(
-                JobStatus(
-                    info.submission_id, name, str(info.status.value), info.message or "", _from_store(name, store) or {}
-                )
-            )
+            remesh = remesh_state(name, store, dashboard)
+            out.append(JobStatus(info.submission_id, name, str(info.status.value), info.message or "", remesh))
     return out
+
+
+def remesh_state(name: str, store: str | None = None, dashboard: str | None = None) -> dict:
+    """Job `name`'s latest run as the fleet store holds it ({} where it holds none): from the
+    dashboard at `dashboard` when given, else from the store file (default: `default_path()`)."""
+    return _from_dashboard(name, dashboard) if dashboard else _from_store(name, store)
 
 
 def _from_store(name: str, store: str | None) -> dict:
@@ -181,20 +185,25 @@ def _from_store(name: str, store: str | None) -> dict:
         s.close()
 
 
-def _from_logs(logs: str) -> dict:
-    matches = list(PROGRESS.finditer(logs or ""))
-    if not matches:
-        return {}
-    last = matches[-1]  # the newest progress line
-    mesh = dict(kv.split("=") for kv in last["mesh"].split(" x "))
-    return {
-        "steps_completed": int(last["step"]),
-        "steps": int(last["steps"]),
-        "hosts": int(last["hosts"]),
-        "mesh": {k: int(v) for k, v in mesh.items()},
-        "tokens_per_second": float(last["tps"].replace(",", "")),
-        "mfu": float(last["mfu"]) / 100,
-    }
+def _from_dashboard(name: str, url: str) -> dict:
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    address = f"{url.rstrip('/')}/api/jobs/{urllib.parse.quote(name, safe='')}?points=1"
+    try:
+        with urllib.request.urlopen(address, timeout=10) as r:
+            return json.load(r)["job"]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return {}
+        raise SubmitError(f"the dashboard at {url} answered {e.code} for {address}: {e.read()[:200]!r}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise SubmitError(
+            f"no remesh dashboard answered at {url} ({e}); start one beside the fleet store with "
+            "`remesh dashboard --store PATH`, or pass --store PATH"
+        ) from None
 
 
 def logs(address: str, submission_id: str, *, follow: bool = False, out=sys.stdout) -> None:

@@ -139,16 +139,71 @@ def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_pat
     assert all(len([s for s in thin["steps"] if s["step"] == k]) == 2 for k in steps)  # every host
 
 
-def test_status_without_the_store_reads_the_newest_progress_line_of_the_log():
-    from orchestrator.submit import _from_logs
+def test_a_runs_step_rows_stay_bounded_and_evenly_spread_however_long_it_runs(tmp_path):
+    """A recorder keeping rows for at most 64 steps per host, fed 5,000 steps of 3 hosts over two
+    segments: the store never holds more than 64 steps (plus each segment's first) per host, what
+    it holds is evenly spread over the whole run, and the job page still charts every host."""
+    from types import SimpleNamespace
 
-    log = (
-        "step     10/60  loss 4.3680      3,139 tok/s  MFU 1.11%  mesh data=4 x model=2  hosts 4\n"
-        "lost  host(s) [3] after step 40\n"
-        "step     60/60  loss 2.3680      5,139 tok/s  MFU 2.11%  mesh data=4  hosts 2\n"
-    )
-    r = _from_logs(log)
-    assert (
-        r["steps_completed"] == 60 and r["hosts"] == 2 and r["mesh"] == {"data": 4} and r["tokens_per_second"] == 5139
-    )
-    assert _from_logs("no progress yet") == {}
+    from orchestrator.dashboard import job_detail
+    from orchestrator.recorder import FleetRecorder
+
+    store = FleetStore(str(tmp_path / "fleet.db"))
+    recorder = FleetRecorder(store, SimpleNamespace(name="long", steps=5000), cluster="c", step_rows=64)
+    recorder.started()
+    most = 0
+    for step in range(1, 5001):
+        for host in range(3):
+            report = {
+                "step": step,
+                "at": float(step),
+                "loss": 1.0,
+                "seconds": 0.1,
+                "tokens_per_second": 1.0,
+                "mfu": 0.1,
+            }
+            recorder.step(host, 1 if step <= 2500 else 2, report, speaker=host == 0)
+        if step % 250 == 0:
+            recorder.flush(force=True)
+            rows = store._db.execute("SELECT COUNT(*) FROM steps WHERE run = ?", (recorder.run,)).fetchone()[0]
+            most = max(most, rows)
+    recorder.flush(force=True)
+    assert most <= 3 * (64 + 2)
+    kept = sorted({s["step"] for s in store.steps(recorder.run)})
+    stride = store.job("long")["step_stride"]
+    assert stride == 128  # 5,000 steps in at most 64 kept: every 128th
+    assert [k for k in kept if k % stride] == [1, 2501]  # each segment's first step
+    assert kept[-1] == 4992 and len(kept) == 5000 // stride + 2
+    page = job_detail(store, "long", points=20)
+    assert page["steps_every"] % stride == 0
+    charted = {(s["host"], s["step"]) for s in page["steps"]}
+    assert {h for h, _ in charted} == {0, 1, 2} and len(charted) == 3 * len({k for _, k in charted})
+
+
+def test_status_reads_a_jobs_state_through_a_dashboard_where_the_store_is_out_of_reach(tmp_path):
+    """`remesh status --dashboard URL`: the latest run's row as the store holds it, as JSON from
+    the dashboard's API; a job it does not know is empty, and a dashboard that does not answer
+    says how to start one."""
+    import threading
+
+    from orchestrator.dashboard import DashboardConfig, make_server
+    from orchestrator.fleet import FleetStoreConfig
+    from orchestrator.submit import SubmitError, remesh_state
+
+    path = str(tmp_path / "fleet.db")
+    write_job(path, "seen", "c", 20)
+    server = make_server(DashboardConfig(port=0, store=FleetStoreConfig(path=path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    url = f"http://{host}:{port}"
+    try:
+        got = remesh_state("seen", dashboard=url)
+        want = remesh_state("seen", store=path)
+        assert got == want and got["state"] == "finished" and got["steps_completed"] == 20
+        assert got["mesh"] == {"data": 4} and got["goodput"]["badput_seconds"] == {"startup": 1.0}
+        assert remesh_state("unseen", dashboard=url) == {}
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(SubmitError, match="remesh dashboard --store"):
+        remesh_state("seen", dashboard=url)

@@ -72,7 +72,7 @@ def fleet(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet")
     cluster = RayStartCluster(str(d), workers=3, devices_per_host=2)
     store = str(d / "fleet.db")
-    out = {"dir": d, "store": store, "address": cluster.address, "observed": [], "metrics": ""}
+    out = {"dir": d, "store": store, "address": cluster.address, "cluster": cluster, "observed": [], "metrics": ""}
     try:
         sid = submit(cluster, d, "fleet-a", 60, "--chaos", f"slow@1:{STRAGGLER}")
         out["a"] = sid
@@ -130,10 +130,13 @@ def test_submitted_job_survives_a_worker_node_stopped_under_it(fleet):
     assert "lost  host(s)" in fleet["logs_a"] and "fleet-a: finished after 60/60 steps" in fleet["logs_a"]
 
 
-def test_status_reads_progress_from_the_log_where_the_store_is_out_of_reach(fleet):
-    from orchestrator.submit import _from_logs
-
-    r = _from_logs(fleet["logs_a"])  # the controller's own progress lines
+def test_status_reads_a_dashboard_where_the_store_is_out_of_reach(fleet, dashboard):
+    cluster = fleet["cluster"]
+    proc = cli(cluster, "status", fleet["a"], "--address", cluster.address, "--store", "/nonexistent/fleet.db")
+    assert proc.returncode == 0 and "pass --store PATH" in proc.stdout, proc.stdout + proc.stderr
+    proc = cli(cluster, "status", fleet["a"], "--address", cluster.address, "--dashboard", dashboard, "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)[0]["remesh"]
     assert r["steps_completed"] == 60 and r["steps"] == 60 and r["hosts"] == 2 and r["mesh"] == {"data": 4}
     assert r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1
 
