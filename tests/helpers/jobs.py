@@ -1,11 +1,14 @@
 """Job files the end-to-end tests run: the example GPT on emulated hosts of 2 fake CPU devices."""
 
 
-def gpt_job(name: str, steps: int, *, max_hosts: int, checkpoint_dir: str) -> str:
-    """A job file's text: batch 24 (divides every mesh the hosts give), a checkpoint every 10 steps."""
+def gpt_job(
+    name: str, steps: int, *, max_hosts: int, checkpoint_dir: str, program="examples.gpt.model:program", options=""
+) -> str:
+    """A job file's text: batch 24 (divides every mesh the hosts give), a checkpoint every 10 steps;
+    `options`: the lines of an `[options]` table."""
     return f"""
 name = "{name}"
-program = "examples.gpt.model:program"
+program = "{program}"
 steps = {steps}
 global_batch = 24
 [hosts]
@@ -16,4 +19,6 @@ devices_per_host = 2
 dir = "{checkpoint_dir}"
 every = 10
 keep = 3
+[options]
+{options}
 """
