@@ -445,6 +445,9 @@ class JobController:
             category = USEFUL if r["step"] > self._done_step() else "lost"  # before losses[step] is set
             self.throughput.add(r)
             self._segment_throughputs[-1].add(r)
+            waited = min(r.get("input_seconds") or 0.0, r["seconds"])
+            if waited > 0:  # the step's lap holds its input wait: that part is input badput
+                self.ledger.add("input", r["at"] - r["seconds"], r["at"] - r["seconds"] + waited)
         else:
             category = REPORT_CATEGORY.get(r["kind"])
         if category is not None and "at" in r:

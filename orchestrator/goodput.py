@@ -18,7 +18,7 @@ import math
 import statistics
 
 USEFUL = "useful"
-BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "eval", "lost")
+BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "input", "eval", "lost")
 BADPUT_MEANING = {
     "startup": "spawning host actors, joining the jax.distributed group, loading the program, "
     "initialising state, stopping a group",
@@ -26,6 +26,7 @@ BADPUT_MEANING = {
     "compile": "jax.jit lowering and XLA compilation of the step",
     "restore": "reading the checkpoint onto the new plan",
     "checkpoint": "time the training loop was blocked by saves (device-to-host copy, final flush)",
+    "input": "time the training loop waited for its next batch (reading and placing it) that the prefetch did not hide",
     "eval": "the program's evaluation on held-out data (Program.evaluation), every so many steps",
     "lost": "steps recomputed after a restore, and failure detection and tear-down",
 }

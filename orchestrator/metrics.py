@@ -20,7 +20,7 @@ METRICS = {
     "remesh_step": ("gauge", "Last training step completed", ("job", "host")),
     "remesh_wait_seconds": (
         "gauge",
-        "Time the last step waited at its sync point on this host (a straggler waits least: the others wait for it)",
+        "Time the last step waited for the devices and its peers, besides its input (a straggler waits least: the others wait for it)",
         ("job", "host"),
     ),
     "remesh_input_seconds": ("gauge", "Time the last step's input took on this host", ("job", "host")),

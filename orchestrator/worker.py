@@ -142,19 +142,20 @@ class _Dispatched:
 
     step: int
     metrics: Any
-    input_seconds: float
     evaluation: list | None = None  # metrics of each held-out batch, evaluated after the step
 
-    def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float) -> float:
+    def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: list[float]) -> float:
         """Wait for the step's metrics and report it, then its evaluation's (the mean of each
-        metric over the held-out batches) as an "eval" lap; returns the step's time."""
+        metric over the held-out batches) as an "eval" lap; returns the step's time. `waited`:
+        the time spent waiting for input since the last step report, which this report's lap
+        holds (reported as its input time, and reset)."""
         import jax
 
-        t_wait = time.time()
         values = scalar_metrics(jax.device_get(self.metrics))
         seconds, now = lap.split()
-        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
-        # time each host waited for its metrics can: the straggler waits least, the others for it.
+        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; what
+        # each host waited for besides its input can (blocked in dispatch or in the read-back, as
+        # the backend decides where): the straggler waits least, the others for it.
         lap(
             "step",
             now=now,
@@ -163,9 +164,10 @@ class _Dispatched:
             metrics=values,
             tokens_per_second=tokens / seconds,
             mfu=model_flops / (seconds * peak),
-            input_seconds=self.input_seconds,
-            wait_seconds=now - t_wait,
+            input_seconds=min(waited[0], seconds),
+            wait_seconds=max(seconds - waited[0], 0.0),
         )
+        waited[0] = 0.0
         if self.evaluation:
             batches = [scalar_metrics(jax.device_get(m)) for m in self.evaluation]
             mean = {k: sum(b[k] for b in batches) / len(batches) for k in batches[0]}
@@ -291,6 +293,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     # back first, since the next step donates that state.
     pending: _Dispatched | None = None
     seconds = 0.0  # the last step's time, read back
+    waited = [0.0]  # input waits since the last step was reported: charged to the lap that holds them
     try:
         for index in range(first, spec.steps):
             t_input = time.time()
@@ -299,10 +302,11 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             if spec.slow_input_from is not None and index + 1 >= spec.slow_input_from:
                 time.sleep(SLOW_INPUT_SECONDS)
             t_dispatch = time.time()
+            waited[0] += t_dispatch - t_input
             state, metrics = compiled(state, batch)
             if pending is not None:
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak)
-            pending = _Dispatched(index + 1, metrics, t_dispatch - t_input)
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited)
+            pending = _Dispatched(index + 1, metrics)
             done = index + 1
             if evaluation is not None and done % evaluation.every == 0:
                 # Dispatched before the next step donates the state; read back with this step.
@@ -310,7 +314,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
             stop = stops.agree(done, boundary, seconds)
             if boundary or stop is Stop.NOW:
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak)
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited)
                 pending = None
                 _save(store, state, plan, digest_fn, done, position.example_index(done), spec, report)
                 lap("checkpoint", step=done)

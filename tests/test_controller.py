@@ -26,6 +26,7 @@ class World:
         self.stall = False  # groups end before training (a host that exits at once, say)
         self.ignore_stop = False  # groups that never act on a stop request (a hung host)
         self.eval_every = 0  # groups evaluate after every so many steps (0: never)
+        self.input_seconds = 0.0  # of each step's 0.1 s, waited for its batch
 
     def alive_hosts(self):
         return list(self.alive)
@@ -43,7 +44,7 @@ class World:
 def fake_group_cls(world, every, now):
     def stepped(step):
         return {"kind": "step", "step": step, "loss": 1.0 / step, "seconds": 0.1, "at": now(),
-                "tokens_per_second": 10.0, "mfu": 0.5}  # fmt: skip
+                "tokens_per_second": 10.0, "mfu": 0.5, "input_seconds": world.input_seconds}  # fmt: skip
 
     def saved(step):
         return {"kind": "checkpoint", "step": step, "seconds": 0.01, "at": now()}
@@ -242,9 +243,9 @@ def test_goodput_parts_add_up_to_wall_time_and_recomputed_steps_are_lost():
     assert [s["median_step_seconds"] for s in summary.segments] == [0.1, 0.1]
 
 
-def test_evaluations_are_reported_like_the_training_loss_and_charged_as_eval():
+def test_evaluations_are_reported_like_the_training_loss_and_input_waits_charged_as_input():
     world = World(4)
-    world.eval_every = 4
+    world.eval_every, world.input_seconds = 4, 0.02
     c = make(world, chaos=parse_chaos("lose@12"), steps=20)
     summary = c.run()
     d = summary.to_dict()
@@ -257,6 +258,9 @@ def test_evaluations_are_reported_like_the_training_loss_and_charged_as_eval():
     assert [e["step"] for e in d["events"] if e["kind"] == "eval"] == [4, 8, 12, 12, 16, 20]
     g = summary.goodput
     assert g["badput_seconds"]["eval"] == pytest.approx(6 * 0.05)
+    # Input waits are carved out of each step's time: 22 steps ran (11 and 12 twice).
+    assert g["badput_seconds"]["input"] == pytest.approx(22 * 0.02)
+    assert g["useful_seconds"] == pytest.approx(20 * 0.08)
     assert g["useful_seconds"] + sum(g["badput_seconds"].values()) == pytest.approx(g["wall_seconds"], abs=1e-6)
 
 
