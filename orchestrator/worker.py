@@ -142,11 +142,9 @@ class _Dispatched:
 
     step: int
     metrics: Any
-    evaluation: list | None = None  # metrics of each held-out batch, evaluated after the step
 
     def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: list[float]) -> float:
-        """Wait for the step's metrics and report it, then its evaluation's (the mean of each
-        metric over the held-out batches) as an "eval" lap; returns the step's time. `waited`:
+        """Wait for the step's metrics and report it; returns its time. `waited`:
         the time spent waiting for input since the last step report, which this report's lap
         holds (reported as its input time, and reset)."""
         import jax
@@ -168,11 +166,17 @@ class _Dispatched:
             wait_seconds=max(seconds - waited[0], 0.0),
         )
         waited[0] = 0.0
-        if self.evaluation:
-            batches = [scalar_metrics(jax.device_get(m)) for m in self.evaluation]
-            mean = {k: sum(b[k] for b in batches) / len(batches) for k in batches[0]}
-            lap("eval", step=self.step, loss=mean.pop("loss"), metrics=mean)
         return seconds
+
+
+def _evaluate(compiled, state, held_out, batches: int, lap: _Laps, step: int) -> None:
+    """The program's evaluation after `step`, reported as an "eval" lap: the mean of each metric
+    over the held-out batches."""
+    import jax
+
+    results = [scalar_metrics(jax.device_get(compiled(state, held_out(b)))) for b in range(batches)]
+    mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    lap("eval", step=step, loss=mean.pop("loss"), metrics=mean)
 
 
 class Stop(enum.IntEnum):
@@ -308,14 +312,17 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
                 seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited)
             pending = _Dispatched(index + 1, metrics)
             done = index + 1
-            if evaluation is not None and done % evaluation.every == 0:
-                # Dispatched before the next step donates the state; read back with this step.
-                pending.evaluation = [eval_compiled(state, held_out(b)) for b in range(evaluation.batches)]
+            evaluated = evaluation is not None and done % evaluation.every == 0
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
             stop = stops.agree(done, boundary, seconds)
-            if boundary or stop is Stop.NOW:
+            if evaluated or boundary or stop is Stop.NOW:
+                # Read back now: the next step would donate the state that a save or an
+                # evaluation needs, and an evaluation's time is its own only with the step done.
                 seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited)
                 pending = None
+            if evaluated:
+                _evaluate(eval_compiled, state, held_out, evaluation.batches, lap, done)
+            if boundary or stop is Stop.NOW:
                 _save(store, state, plan, digest_fn, done, position.example_index(done), spec, report)
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
