@@ -149,8 +149,22 @@ def abstract_inputs(program: Program, global_batch: int, seed: int = 0):
             return state, abstract_batch(program.data, global_batch)
         except Exception as e:
             raise ProgramError(f"program.data[0] failed: {type(e).__name__}: {e}") from e
-    batch = program.batch(0, global_batch)
-    return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+    return state, _synthetic_shapes(program, global_batch)
+
+
+def _synthetic_shapes(program: Program, global_batch: int):
+    """A synthetic batch's shapes, learnt from a batch of one with its leading dimension made the
+    global batch, so a host does not build a whole global batch for them (`check_program` builds
+    one, once, to check it); from the whole batch where a batch of one is not shaped so."""
+    import jax
+
+    spec = lambda x, n: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), np.asarray(x).dtype)  # noqa: E731
+    one = program.batch(0, 1)
+    if all(np.ndim(x) and np.shape(x)[0] == 1 for x in jax.tree.leaves(one)):
+        return jax.tree.map(lambda x: spec(x, global_batch), one)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), program.batch(0, global_batch)
+    )
 
 
 def check_program(program: Program, global_batch: int, seed: int = 0):
@@ -162,13 +176,23 @@ def check_program(program: Program, global_batch: int, seed: int = 0):
     from checkpoint import leaf_path
 
     state, abstract_batch = abstract_inputs(program, global_batch, seed)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_batch)[0]:
+    built = abstract_batch
+    if program.batch is not None:  # the whole batch, once, as hosts will build it
+        built = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), program.batch(0, global_batch)
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(built)[0]:
         shape = leaf.shape
         if not shape or shape[0] != global_batch:
             raise ProgramError(
                 f"program.batch(step, {global_batch}) leaf {leaf_path(path)} has shape {shape}; "
                 f"expected leading dimension {global_batch} (the job's global_batch)"
             )
+    if built != abstract_batch:
+        raise ProgramError(
+            f"program.batch(step, size) must give the same shapes and dtypes whatever the size, but for the leading "
+            f"dimension: hosts learn them from a batch of 1 ({abstract_batch}), and a batch of {global_batch} gave {built}"
+        )
     out = _shapes_of(program.step, "program.step(state, batch)", state, abstract_batch)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping) and "loss" in out[1]):
         raise ProgramError("program.step must return (state, metrics) with metrics a dict holding 'loss'")

@@ -102,6 +102,7 @@ def test_check_program_accepts_a_good_program():
         ({"step": lambda s, b: (s, {"acc": 1.0})}, "holding 'loss'"),
         ({"step": lambda s, b: ({"other": s["w"]}, {"loss": 0.0})}, "same structure"),
         ({"init": lambda key: 1 / 0}, "program.init"),
+        ({"batch": lambda step, size: {"x": np.zeros((size, 4 if size > 1 else 3), np.float32)}}, "a batch of 1"),
         ({"step": lambda s, b: s["missing"]}, "program.step"),
     ],
 )
