@@ -7,8 +7,9 @@ poll with one step report from each of 64 hosts (no Ray, no devices), its status
 poll (the worst case: in a real run at most once a second; `--status-every`), until 100,000
 reports. Per window of
 1,000 reports: seconds per report and the memory the process holds (tracemalloc). Beside it, in
-the same run, the baseline: the same controller with the previous throughput bookkeeping (every
-step's figures in lists, medians by sorting them all at each status).
+the same run, the baseline: the same controller with the previous bookkeeping (every step's
+throughput figures in lists, medians by sorting them all at each status; per-step losses and
+metrics in dicts).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _Status:
         self.reports, self.done, self.error = reports, False, None
 
 
-def run(hosts: int, reports: int, throughput_cls, status_every: int = 1) -> list[tuple[float, float]]:
+def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int = 1) -> list[tuple[float, float]]:
     """(seconds per report, MiB held) per window of 1,000 reports."""
     from orchestrator import controller as ctl
     from orchestrator import parse_job
@@ -94,7 +95,7 @@ def run(hosts: int, reports: int, throughput_cls, status_every: int = 1) -> list
         search_seconds=0.0,
         cost=Cost(0.0, 0.0, {}, 0),
     )
-    ctl.Throughput = throughput_cls
+    ctl.Throughput, ctl.RunSummary = throughput_cls, summary_cls
     c = JobController(
         job,
         Cluster(),
@@ -149,6 +150,26 @@ class ListThroughput:
         }
 
 
+def dict_summary():
+    """The previous per-step bookkeeping of the run summary: a dict entry per step and metric."""
+    import dataclasses
+
+    from orchestrator.summary import RunSummary
+
+    @dataclasses.dataclass
+    class DictSummary(RunSummary):
+        losses: dict = dataclasses.field(default_factory=dict)
+        metrics: dict = dataclasses.field(default_factory=dict)
+
+        def record_step(self, step, loss, metrics=None):
+            self.losses[step] = loss
+            for name, value in (metrics or {}).items():
+                self.metrics.setdefault(name, {})[step] = value
+            self.reached(step)
+
+    return DictSummary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=64)
@@ -156,9 +177,10 @@ def main() -> None:
     parser.add_argument("--status-every", type=int, default=1, help="polls between status writes")
     args = parser.parse_args()
     from orchestrator.goodput import Throughput
+    from orchestrator.summary import RunSummary
 
-    now = run(args.hosts, args.reports, Throughput, args.status_every)
-    before = run(args.hosts, args.reports, ListThroughput, args.status_every)
+    now = run(args.hosts, args.reports, Throughput, RunSummary, args.status_every)
+    before = run(args.hosts, args.reports, ListThroughput, dict_summary(), args.status_every)
     print("| reports | µs per report | MiB held | baseline µs per report | baseline MiB held |")
     print("|---|---|---|---|---|")
     for i in sorted({0, 1, 9, 24, 49, len(now) // 2, len(now) - 1}):
@@ -171,6 +193,11 @@ def main() -> None:
     ratio = statistics.median(x for x, _ in last) / statistics.median(x for x, _ in first)
     base = statistics.median(x for x, _ in before[-10:]) / statistics.median(x for x, _ in before[1:11])
     print(f"time per report, last 10 windows / windows 2-11: {ratio:.2f} (baseline {base:.2f})")
+    grown = (now[-1][1] - now[0][1]) * 2**20 / (len(now) * 1000 / args.hosts)
+    grown_before = (before[-1][1] - before[0][1]) * 2**20 / (len(before) * 1000 / args.hosts)
+    print(
+        f"memory held, growth per step from the first window to the last: {grown:.0f} B (baseline {grown_before:.0f} B)"
+    )
 
 
 if __name__ == "__main__":
