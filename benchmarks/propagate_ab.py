@@ -1,0 +1,82 @@
+"""Propagation of this tree against an earlier revision's, on the propagations a search makes.
+
+    .venv/bin/python benchmarks/propagate_ab.py REV [NAME ...]     # e.g. 8e61854 llama-maxtext t5
+
+For each corpus model at 96 layers, one `search(..., devices=1024, level="fast")` records every
+`propagate` call it makes; then those calls are replayed with this tree's `partitioner.propagate`
+and with REV's (loaded from git into a module beside it), alternating, five rounds, GC paused as
+`search` pauses it. Prints medians, their ratio, and whether the two give the same shardings,
+factor assignments and communication for every call.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def old_module(rev: str):
+    source = subprocess.run(
+        ["git", "show", f"{rev}:partitioner/propagate.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    spec = importlib.util.spec_from_loader("partitioner._propagate_at_rev", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "partitioner"
+    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
+    exec(compile(source, f"{rev}:partitioner/propagate.py", "exec"), module.__dict__)
+    return module
+
+
+def main(rev: str, names) -> None:
+    import partitioner.propagate as new
+    import partitioner.tactics as tactics
+    from partitioner.search import search
+    from tests.corpus import load
+
+    old = old_module(rev)
+    calls = []
+    recorded = tactics.propagate
+
+    def recording(graph, annotations, mesh, first=()):
+        calls.append((graph, annotations, mesh, first))
+        return recorded(graph, annotations, mesh, first=first)
+
+    tactics.propagate = recording
+    for name in names or ("llama-maxtext", "t5"):
+        calls.clear()
+        module, options = load(name)
+        fn, args = module.build(layers=96, **options)
+        search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+        graph = calls[0][0]
+        for cache in ("_op_info", "_constants"):  # what older revisions kept on the graph
+            setattr(graph, cache, None)
+        times, same = {"rev": [], "now": []}, True
+        gc.disable()
+        for _ in range(5):
+            results = {}
+            for tag, m in (("rev", old), ("now", new)):
+                graph._first_stage.clear()
+                t = time.perf_counter()
+                results[tag] = [m.propagate(g, a, mesh, first=f) for g, a, mesh, f in calls]
+                times[tag].append(time.perf_counter() - t)
+            same &= all(
+                a.shardings == b.shardings and a.factor_axes == b.factor_axes and a.communication == b.communication
+                for a, b in zip(results["rev"], results["now"])
+            )
+        gc.enable()
+        r, n = statistics.median(times["rev"]), statistics.median(times["now"])
+        print(f"{name}: {len(calls)} propagations, {rev} {r:.3f} s, now {n:.3f} s, {r / n:.2f}x, identical: {same}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    main(sys.argv[1], sys.argv[2:])
