@@ -158,13 +158,21 @@ def _synthetic_shapes(program: Program, global_batch: int):
     one, once, to check it); from the whole batch where a batch of one is not shaped so."""
     import jax
 
-    spec = lambda x, n: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), np.asarray(x).dtype)  # noqa: E731
     one = program.batch(0, 1)
     if all(np.ndim(x) and np.shape(x)[0] == 1 for x in jax.tree.leaves(one)):
-        return jax.tree.map(lambda x: spec(x, global_batch), one)
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), program.batch(0, global_batch)
-    )
+        return _shapes(one, leading=global_batch)
+    return _shapes(program.batch(0, global_batch))
+
+
+def _shapes(batch, leading: int | None = None):
+    """A numpy batch's shapes and dtypes; `leading` replaces its leading dimension."""
+    import jax
+
+    def spec(x):
+        shape = np.shape(x) if leading is None else (leading, *np.shape(x)[1:])
+        return jax.ShapeDtypeStruct(shape, np.asarray(x).dtype)
+
+    return jax.tree.map(spec, batch)
 
 
 def check_program(program: Program, global_batch: int, seed: int = 0):
@@ -178,9 +186,7 @@ def check_program(program: Program, global_batch: int, seed: int = 0):
     state, abstract_batch = abstract_inputs(program, global_batch, seed)
     built = abstract_batch
     if program.batch is not None:  # the whole batch, once, as hosts will build it
-        built = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), program.batch(0, global_batch)
-        )
+        built = _shapes(program.batch(0, global_batch))
     for path, leaf in jax.tree_util.tree_flatten_with_path(built)[0]:
         shape = leaf.shape
         if not shape or shape[0] != global_batch:

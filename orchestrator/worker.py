@@ -143,10 +143,9 @@ class _Dispatched:
     step: int
     metrics: Any
 
-    def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: list[float]) -> float:
-        """Wait for the step's metrics and report it; returns its time. `waited`:
-        the time spent waiting for input since the last step report, which this report's lap
-        holds (reported as its input time, and reset)."""
+    def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: float) -> float:
+        """Wait for the step's metrics and report it; returns its time. `waited`: the time spent
+        waiting for input since the last step report, which this report's lap holds."""
         import jax
 
         values = scalar_metrics(jax.device_get(self.metrics))
@@ -162,10 +161,9 @@ class _Dispatched:
             metrics=values,
             tokens_per_second=tokens / seconds,
             mfu=model_flops / (seconds * peak),
-            input_seconds=min(waited[0], seconds),
-            wait_seconds=max(seconds - waited[0], 0.0),
+            input_seconds=min(waited, seconds),
+            wait_seconds=max(seconds - waited, 0.0),
         )
-        waited[0] = 0.0
         return seconds
 
 
@@ -297,7 +295,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     # back first, since the next step donates that state.
     pending: _Dispatched | None = None
     seconds = 0.0  # the last step's time, read back
-    waited = [0.0]  # input waits since the last step was reported: charged to the lap that holds them
+    waited = 0.0  # input waits since the last step was reported: charged to the lap that holds them
     try:
         for index in range(first, spec.steps):
             t_input = time.time()
@@ -306,10 +304,10 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             if spec.slow_input_from is not None and index + 1 >= spec.slow_input_from:
                 time.sleep(SLOW_INPUT_SECONDS)
             t_dispatch = time.time()
-            waited[0] += t_dispatch - t_input
+            waited += t_dispatch - t_input
             state, metrics = compiled(state, batch)
             if pending is not None:
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited)
+                seconds, waited = pending.read_back(lap, tokens, flops["model_flops"], peak, waited), 0.0
             pending = _Dispatched(index + 1, metrics)
             done = index + 1
             evaluated = evaluation is not None and done % evaluation.every == 0
@@ -318,7 +316,7 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             if evaluated or boundary or stop is Stop.NOW:
                 # Read back now: the next step would donate the state that a save or an
                 # evaluation needs, and an evaluation's time is its own only with the step done.
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited)
+                seconds, waited = pending.read_back(lap, tokens, flops["model_flops"], peak, waited), 0.0
                 pending = None
             if evaluated:
                 _evaluate(eval_compiled, state, held_out, evaluation.batches, lap, done)
