@@ -70,6 +70,9 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
         def request_stop(self, now=False):
             pass
 
+        def compile_ahead(self, plan_json):
+            pass
+
         def shutdown(self):
             pass
 

@@ -5,12 +5,17 @@
     state = store.restore(target=abstract_state_with_new_shardings)     # reads only what it needs
     report = store.verify(step)                                          # every chunk's checksum
 
-Steps written by plain Orbax restore through the same `restore`.
+Steps written by plain Orbax restore through the same `restore`. A snapshot of the state in host
+memory (`take_snapshot`, `MemoryStep`) restores through `restore_step` the same way.
 """
 
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, CheckpointTargetError
 from .layout import Codec, leaf_path
+from .memory import MemoryStep
+from .memory import seal as seal_snapshot
+from .memory import take as take_snapshot
 from .reader import Cast, Rename, RestoreStats, Stack, Unstack
+from .reader import restore as restore_step
 from .store import Store, StoreConfig, VerifyReport
 from .writer import check_savable
 
@@ -21,6 +26,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointTargetError",
     "Codec",
+    "MemoryStep",
     "Rename",
     "RestoreStats",
     "Stack",
@@ -30,4 +36,7 @@ __all__ = [
     "VerifyReport",
     "check_savable",
     "leaf_path",
+    "restore_step",
+    "seal_snapshot",
+    "take_snapshot",
 ]

@@ -19,7 +19,7 @@ import warnings
 
 import ray
 
-from .hosts import HOST_RESOURCE
+from .hosts import HOST_RESOURCE, alive_hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +148,6 @@ def _daemons_in_own_process_groups():
         yield
     finally:
         services.ConsolePopen = base
-
-
-def alive_hosts() -> list[str]:
-    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(HOST_RESOURCE))
 
 
 def _enable_token_auth(state_dir: str) -> None:

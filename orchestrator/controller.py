@@ -15,6 +15,7 @@ planner and the host-group class are parameters.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import hashlib
@@ -81,14 +82,20 @@ class JobController:
         wall: Callable[[], float] = time.time,
         model_flops: float | None = None,
         committed: Callable[[], int] = lambda: 0,
+        snapshots=None,
+        standby=None,
     ):
-        """`committed`: the newest committed checkpoint step (a re-run of a finished job ends at once)."""
+        """`committed`: the newest committed checkpoint step (a re-run of a finished job ends at once).
+        `snapshots`: the peer snapshots' keepers (`snapshots.Keepers`); None: restores read the disk.
+        `standby`: a `hosts.StandbyPool` the groups take their actors from; None: each group spawns."""
         self.job = job
         self.cluster = cluster
         self.planner = planner
         self.fingerprint = fingerprint
         self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
         self.committed = committed
+        self.snapshots = snapshots
+        self.standby = standby
         self.config = config
         self.scaling = scaling or policies.ScalingPolicy(job.hosts.min, job.hosts.max)
         self.failure = failure or policies.FailurePolicy(job.hosts.min, job.hosts.max)
@@ -106,11 +113,16 @@ class JobController:
         self._t0 = clock()
         self._target: int | None = None  # hosts the next segment should run on
         self._plans: dict[tuple[str, int], object] = {}
+        self._ahead: dict[tuple[str, int], concurrent.futures.Future] = {}  # plans being made ahead
+        self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._planned_ahead: set[tuple[str, int]] = set()
         self._plan = None
         self._group: HostGroup | None = None
         self._segment: dict | None = None
         self._failures = 0
         self._recovering_since: float | None = None  # loss detected at, until the first new step
+        self._lost_after: int | None = None  # the step reached when hosts were lost, until the restore
+        self._snapshot_every = 0  # the group's peer snapshot interval, as its last step reported it
         self._stopping = False  # a resize is waiting for the next checkpoint boundary
         self._stop_reason: str | None = None  # a stop was requested (a signal)
         self._stop_deadline = 0.0
@@ -151,6 +163,8 @@ class JobController:
             self.print(f"stop  {e}: stopped at once after step {self._done_step()}")
         finally:
             self._stop_group()
+            if self._ahead_pool is not None:
+                self._ahead_pool.shutdown(wait=False, cancel_futures=True)
             self.summary.state = self.phase.value
             self.summary.wall_seconds = self._now()
             self.summary.goodput = self.ledger.breakdown(self.wall())
@@ -220,9 +234,13 @@ class JobController:
         devices = hosts * self.job.hosts.devices_per_host
         t, wall = self.clock(), self.wall()
         key = (self.fingerprint, devices)
+        if key in self._ahead:
+            self._plans[key] = self._ahead.pop(key).result()
+        ahead = key in self._planned_ahead  # planned while an earlier group trained
         cached = key in self._plans
-        if not cached:
-            self._plans[key] = self.planner(devices)
+        if not cached:  # on the planning thread if there is one: one search at a time
+            pool = self._ahead_pool
+            self._plans[key] = pool.submit(self.planner, devices).result() if pool else self.planner(devices)
         self._plan = self._plans[key]
         self.ledger.add("planning", wall, self.wall())
         self.ledger.gap = "startup"  # until the new group's first report
@@ -234,6 +252,7 @@ class JobController:
             devices=devices,
             mesh=dict(self._plan.mesh),
             cached=cached,
+            ahead=ahead,
             notes=list(self._plan.notes),
         )
         used = self._hosts_used()
@@ -244,7 +263,7 @@ class JobController:
         )
         self.print(
             f"plan  {self._plan.describe()} on {used} hosts"
-            + (" (cached)" if cached else "")
+            + (" (planned ahead)" if ahead else " (cached)" if cached else "")
             + "".join(f"\n      note: {n}" for n in self._plan.notes)
             + idle
         )
@@ -261,8 +280,8 @@ class JobController:
         hosts = self._hosts_used()
         t = self.clock()
         try:
-            env = {**self.cluster.host_env(), **self.config.env_vars}
-            self._group = self.group_cls(hosts, HostGroupConfig(env_vars=env))
+            config = HostGroupConfig(env_vars=self._host_env())
+            self._group = self.group_cls(hosts, config, self.standby) if self.standby else self.group_cls(hosts, config)
         except HostsUnavailableError as e:
             self.print(f"warn  {e}; re-planning")
             self._target = None
@@ -271,9 +290,9 @@ class JobController:
         freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.chaos.slow_hosts().items()}
         plan_json = self._plan.to_json()
-        self._group.start(
-            lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i))
-        )
+        spec_for = lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i))
+        snapshots = self._snapshot_plans()
+        self._group.start(spec_for, snapshots) if snapshots else self._group.start(spec_for)
         self._segment = {
             "mesh": dict(self._plan.mesh),
             "hosts": hosts,
@@ -292,6 +311,46 @@ class JobController:
         self._segment_from = self._done_step()
         self._last_host_check = self.clock()
         return Phase.RUNNING
+
+    def _host_env(self) -> dict:
+        return {**self.cluster.host_env(), **self.config.env_vars}
+
+    def _prepare_next(self, alive: list[str] | None = None) -> None:
+        """What the next group will need, made while this one trains: a standby actor on every live
+        host, and plans for the meshes a resize would likely go to (a host fewer, a host more)."""
+        if self.standby is not None:
+            self.standby.refill(alive if alive is not None else self.cluster.alive_hosts(), self._host_env())
+        hosts = self._segment["hosts"] if self._segment else 0
+        for n in (hosts - 1, hosts + 1):
+            key = (self.fingerprint, n * self.job.hosts.devices_per_host)
+            if self.job.hosts.min <= n <= self.job.hosts.max and key not in self._plans and key not in self._ahead:
+                if self._ahead_pool is None:
+                    self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-plan")
+                self._ahead[key] = self._ahead_pool.submit(self.planner, key[1])
+
+    def _send_ahead(self) -> None:
+        """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles it into
+        the persistent cache while it trains: a group on that mesh then loads it instead."""
+        for key in [k for k, f in self._ahead.items() if f.done()]:
+            try:
+                plan = self._ahead.pop(key).result()
+            except Exception as e:  # noqa: BLE001 (a resize plans again, on its own path)
+                self.print(f"warn  planning ahead for {key[1]} devices failed: {e}")
+                continue
+            self._plans[key] = plan
+            self._planned_ahead.add(key)
+            if plan.devices_used < self._plan.devices_used:
+                self._group.compile_ahead(plan.to_json())
+
+    def _snapshot_plans(self) -> list | None:
+        """Where each host keeps its snapshots, and the newest complete one to restore (at or after
+        the newest commit: a snapshot older than that would lose steps the disk holds)."""
+        if self.snapshots is None or self.job.checkpoint.memory_budget <= 0:
+            return None
+        restore = None
+        if self.summary.segments:  # a new run's keepers hold nothing
+            restore = self.snapshots.newest(set(self.cluster.alive_hosts()), after=self.committed())
+        return self.snapshots.plans(self._group.node_ids, len(self.summary.segments), restore)
 
     def _spec(
         self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None, slow: int | None = None
@@ -332,6 +391,7 @@ class JobController:
             self._stop_group()
             return self._fail(str(e))
         self._take(enumerate(statuses))
+        self._send_ahead()
         if self.recorder.due():  # medians over every step: not at every poll
             self._record_status()
             self.recorder.flush()
@@ -410,9 +470,11 @@ class JobController:
         self._account(r)
         if kind == "step":
             self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
+            self._snapshot_every = r.get("snapshot_every", 0)
             seg = self._segment
             if seg["first_step"] is None:
                 seg["first_step"], seg["first_step_at"] = r["step"], round(now, 3)
+                self._prepare_next()  # off the recovery path: this segment has its first step
             seg["last_step"] = r["step"]
             if self._recovering_since is not None:
                 recovery = self.clock() - self._recovering_since
@@ -424,6 +486,13 @@ class JobController:
             self.summary.record_eval(r["step"], r["loss"], r.get("metrics"))
             self._event(kind, step=r["step"], at=now, seconds=r["seconds"], loss=r["loss"], metrics=r.get("metrics"))
             self.print(f"eval  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  ({r['seconds']:.2f} s)")
+        elif kind == "compile_ahead":
+            extra = {k: v for k, v in r.items() if k not in ("kind", "seconds")}
+            self._event(kind, step=self._done_step(), at=now, seconds=r["seconds"], **extra)
+            what = f"failed: {r['error'][:200]}" if "error" in r else f"done in {r['seconds']:.1f} s"
+            self.print(f"      compiling ahead for {r.get('devices', '?')} devices {what}")
+        elif kind == "snapshot_unusable":
+            self.print(f"      the snapshot in host memory is unusable ({r['error'][:200]}); restoring from disk")
         elif kind == "checkpoint_corrupt":
             self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
             self.print(
@@ -431,13 +500,20 @@ class JobController:
             )
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
             extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at")}
+            if kind == "restore" and self._lost_after is not None:
+                # Steps done before the loss that the group now computes again.
+                extra["recomputed"] = max(0, self._lost_after - r["step"])
+                self.summary.recomputed_steps.append(extra["recomputed"])
+                self._lost_after = None
             self._event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
             if kind == "compile":
                 self.throughput.model_flops_per_step = r["model_flops"]
                 self._segment.update(model_flops=r["model_flops"], device_flops=r["device_flops"])
             if kind == "restore":
                 self.summary.reached(r["step"])  # a resumed run starts from there
-                self.print(f"      restored step {r['step']} in {r['seconds']:.2f} s")
+                where = "host memory" if r.get("source") == "memory" else "disk"
+                again = f"; {extra['recomputed']} steps to compute again" if "recomputed" in extra else ""
+                self.print(f"      restored step {r['step']} from {where} in {r['seconds']:.2f} s{again}")
 
     def _account(self, r: dict) -> None:
         """Charge a report of process 0 to the ledger (goodput.py); steps to the throughput."""
@@ -445,9 +521,13 @@ class JobController:
             category = USEFUL if r["step"] > self._done_step() else "lost"  # before losses[step] is set
             self.throughput.add(r)
             self._segment_throughputs[-1].add(r)
+            begun = r["at"] - r["seconds"]
             waited = min(r.get("input_seconds") or 0.0, r["seconds"])
+            copied = min(r.get("snapshot_seconds") or 0.0, r["seconds"] - waited)
             if waited > 0:  # the step's lap holds its input wait: that part is input badput
-                self.ledger.add("input", r["at"] - r["seconds"], r["at"] - r["seconds"] + waited)
+                self.ledger.add("input", begun, begun + waited)
+            if copied > 0:  # and the copy of a peer snapshot: checkpoint badput
+                self.ledger.add("checkpoint", begun + waited, begun + waited + copied)
         else:
             category = REPORT_CATEGORY.get(r["kind"])
         if category is not None and "at" in r:
@@ -471,6 +551,7 @@ class JobController:
         dead_nodes = [n for n in e.node_ids if n not in alive]
         injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
         self._failures += 1
+        self._lost_after = self._done_step()
         self._event(
             "host_lost",
             step=self._done_step(),
@@ -478,6 +559,7 @@ class JobController:
             seconds=(detected - injected[0]) if injected else 0.0,
             hosts=e.indices,
             nodes_dead=len(dead_nodes),
+            snapshot_every=self._snapshot_every,
             detail=str(e),
         )
         self.print(f"lost  host(s) {e.indices} after step {self._done_step()} ({e})")
@@ -517,7 +599,10 @@ class JobController:
         if self._stopping or self.clock() - self._last_host_check < self.config.host_check_interval_s:
             return
         self._last_host_check = self.clock()
-        available = len(self.cluster.alive_hosts())
+        alive = self.cluster.alive_hosts()
+        if self.standby is not None and self._segment["first_step"] is not None:
+            self.standby.refill(alive, self._host_env())  # a host that joined gets its standby actor
+        available = len(alive)
         decision = self.scaling.on_progress(self._target, available)
         if isinstance(decision, policies.Resize):
             self._stopping = True

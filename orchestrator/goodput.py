@@ -25,7 +25,8 @@ BADPUT_MEANING = {
     "planning": "the partitioner's search (cached plans cost nothing)",
     "compile": "jax.jit lowering and XLA compilation of the step",
     "restore": "reading the checkpoint onto the new plan",
-    "checkpoint": "time the training loop was blocked by saves (device-to-host copy, final flush)",
+    "checkpoint": "time the training loop was blocked by saves (device-to-host copy, final flush) and by "
+    "copying peer snapshots to host memory",
     "input": "time the training loop waited for its next batch (reading and placing it) that the prefetch did not hide",
     "eval": "the program's evaluation on held-out data (Program.evaluation), every so many steps",
     "lost": "steps recomputed after a restore, and failure detection and tear-down",
@@ -38,6 +39,7 @@ REPORT_CATEGORY = {
     "init": "startup",
     "restore": "restore",
     "checkpoint_corrupt": "restore",
+    "snapshot_unusable": "restore",
     "compile": "compile",
     "checkpoint": "checkpoint",
     "checkpoint_flush": "checkpoint",

@@ -16,6 +16,7 @@
     every = 10
     keep = 3                       # optional: the newest committed checkpoints kept
     keep_every = 1000              # optional: also keep every step divisible by this, forever
+    memory_budget = 0.05           # optional: share of step time for peer snapshots in host memory; 0: none
     [options]                      # optional, free: handed to a program factory (`JobSettings.options`)
     train_tokens = ["data/train.bin"]
 
@@ -48,6 +49,9 @@ class CheckpointSpec:
     every: int
     keep: int = 3
     keep_every: int = 0  # 0: none kept beyond the newest `keep`
+    # Peer snapshots in host memory (orchestrator/snapshots.py): the share of step time copying the
+    # state to the host may take; the interval in steps follows from it. 0 turns them off.
+    memory_budget: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +88,7 @@ _SCHEMA: dict[str, Any] = {
     "hardware": (str, "cpu"),
     "planner": (str, "fast"),
     "hosts": {"min": int, "max": int, "devices_per_host": int},
-    "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0)},
+    "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0), "memory_budget": (float, 0.05)},
 }
 
 
@@ -158,6 +162,8 @@ def _check(raw: Mapping[str, Any], schema: Mapping[str, Any], *, prefix: str, so
             out[key] = default
             continue
         value = raw[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # `memory_budget = 0` is a float to anyone who writes it
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise JobFileError(f"{source}: key {name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
         out[key] = value
@@ -191,4 +197,9 @@ def _check_values(job: JobSpec, source: str) -> None:
     need(
         job.checkpoint.keep_every >= 0,
         f"key checkpoint.keep_every must be 0 (none) or positive, got {job.checkpoint.keep_every}",
+    )
+    need(
+        0.0 <= job.checkpoint.memory_budget < 1.0,
+        "key checkpoint.memory_budget must be a share of step time in [0, 1) (0: no snapshots in host memory), "
+        f"got {job.checkpoint.memory_budget}",
     )

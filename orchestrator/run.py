@@ -77,6 +77,18 @@ def run_job(
             printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
             cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
         stack.callback(cluster.shutdown)
+        keepers = None
+        if not isinstance(cluster, _NoHosts) and job.checkpoint.memory_budget > 0:
+            from .snapshots import Keepers, KeepersConfig
+
+            keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))
+            stack.callback(keepers.shutdown)  # before the cluster goes
+        standby = None
+        if not isinstance(cluster, _NoHosts):
+            from .hosts import StandbyPool
+
+            standby = StandbyPool(modules=(job.program.split(":")[0],))
+            stack.callback(standby.shutdown)
         recorder = None
         if store is not None:
             name = cluster_name or os.environ.get("REMESH_CLUSTER") or _cluster_name(address)
@@ -92,6 +104,8 @@ def run_job(
             recorder=recorder,
             model_flops=model_flops,
             committed=committed,
+            snapshots=keepers,
+            standby=standby,
         )
         with _stop_on_signals(controller):
             summary = controller.run()

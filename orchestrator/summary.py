@@ -18,6 +18,7 @@ EVENT_KINDS = (
     "group_start",
     "checkpoint_corrupt",
     "eval",
+    "compile_ahead",
 )
 
 
@@ -69,6 +70,7 @@ class RunSummary:
     segments: list[dict] = dataclasses.field(default_factory=list)
     events: list[dict] = dataclasses.field(default_factory=list)
     recovery_seconds: list[float] = dataclasses.field(default_factory=list)
+    recomputed_steps: list[int] = dataclasses.field(default_factory=list)  # per host loss: steps done again
     state: str = "running"
     reason: str = ""
     wall_seconds: float = 0.0
@@ -110,6 +112,7 @@ class RunSummary:
             "segments": self.segments,
             "events": self.events,
             "recovery_seconds": self.recovery_seconds,
+            "recomputed_steps": self.recomputed_steps,
             "wall_seconds": round(self.wall_seconds, 3),
             "goodput": self.goodput,
             "throughput": self.throughput,

@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -142,10 +143,14 @@ class _Dispatched:
 
     step: int
     metrics: Any
+    snapshot_every: int = 0  # the peer snapshot interval agreed when it was dispatched
 
-    def read_back(self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: float) -> float:
+    def read_back(
+        self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: float, copied: float = 0.0
+    ) -> float:
         """Wait for the step's metrics and report it; returns its time. `waited`: the time spent
-        waiting for input since the last step report, which this report's lap holds."""
+        waiting for input since the last step report, which this report's lap holds; `copied`: the
+        time the loop was held copying a peer snapshot to the host, which it holds too."""
         import jax
 
         values = scalar_metrics(jax.device_get(self.metrics))
@@ -162,7 +167,9 @@ class _Dispatched:
             tokens_per_second=tokens / seconds,
             mfu=model_flops / (seconds * peak),
             input_seconds=min(waited, seconds),
-            wait_seconds=max(seconds - waited, 0.0),
+            snapshot_seconds=min(copied, max(seconds - waited, 0.0)),
+            wait_seconds=max(seconds - waited - copied, 0.0),
+            snapshot_every=self.snapshot_every,
         )
         return seconds
 
@@ -177,6 +184,28 @@ def _evaluate(compiled, state, held_out, batches: int, lap: _Laps, step: int) ->
     lap("eval", step=step, loss=mean.pop("loss"), metrics=mean)
 
 
+class _Digest:
+    """The state digest's compiled program (digest.py), compiled once per group when first needed
+    (a save, a restore from disk) or when `start`ed, in a thread beside training: never on the
+    path from a new group's start to its first step unless that step restores from disk."""
+
+    def __init__(self, target, compile, enabled: bool):
+        self._target, self._compile, self.enabled = target, compile, enabled
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-digest")
+        self._future: concurrent.futures.Future | None = None
+
+    def start(self) -> None:
+        if self.enabled and self._future is None:
+            self._future = self._pool.submit(compile_digest, self._target, self._compile)
+
+    def get(self):
+        self.start()
+        return self._future.result() if self._future else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class Stop(enum.IntEnum):
     """What the controller asked of a running segment."""
 
@@ -186,23 +215,35 @@ class Stop(enum.IntEnum):
 
 
 class StopAgreement:
-    """Makes every process of the group stop after the same step.
+    """Makes every process of the group stop after the same step, and take peer snapshots after
+    the same steps.
 
     A request reaches each host at a different moment, so it is acted on only at steps that all
     processes agree to check, by one small broadcast from process 0: every checkpoint boundary, and
     in between about every `check_seconds` of steps (process 0 proposes the interval with the
-    flag), so the collective costs a bounded share of step time however short the steps are."""
+    flag), so the collective costs a bounded share of step time however short the steps are. The
+    same broadcast carries process 0's snapshot interval (`propose_snapshots`, measured by its
+    `_SnapshotPace`): a snapshot is complete only if every process takes it at the same step."""
 
-    def __init__(self, should_stop: Callable[[], Stop], processes: int, check_seconds: float = 0.5):
+    def __init__(
+        self,
+        should_stop: Callable[[], Stop],
+        processes: int,
+        check_seconds: float = 0.5,
+        propose_snapshots: Callable[[], int] = lambda: 0,
+    ):
         self._should_stop = should_stop
         self._processes = processes
         self._check_seconds = check_seconds
+        self._propose_snapshots = propose_snapshots
+        self.snapshot_every = 0  # agreed: snapshot after steps divisible by this (0: none yet)
         # The next step to check at. Not a segment's first step: the broadcast's own first run
         # compiles a small program, which would delay the step a recovery waits for.
         self._next: int | None = None
 
     def agree(self, step: int, boundary: bool, step_seconds: float) -> Stop:
         if self._processes == 1:
+            self.snapshot_every = self._propose_snapshots()
             return self._should_stop()
         if self._next is None:
             self._next = step + 1
@@ -212,9 +253,10 @@ class StopAgreement:
         from jax.experimental import multihost_utils
 
         interval = max(1, int(self._check_seconds / max(step_seconds, 1e-6)))
-        proposal = np.array([int(self._should_stop()), interval], np.int32)
+        proposal = np.array([int(self._should_stop()), interval, self._propose_snapshots()], np.int32)
         agreed = multihost_utils.broadcast_one_to_all(proposal)
         self._next = step + int(agreed[1])
+        self.snapshot_every = int(agreed[2])
         return Stop(int(agreed[0]))
 
 
@@ -230,7 +272,80 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {leaf_path(path): float(value) for path, value in leaves if np.ndim(value) == 0}
 
 
-def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Stop] = lambda: Stop.NO) -> dict:
+class _SnapshotPace:
+    """How often to take a peer snapshot: after every step whose copy to the host fits the budget
+    (a share of step time), measured as it goes: a copy (with any wait for the previous one to be
+    sent) taking `c` seconds beside steps of `t` seconds is taken every `ceil(c / (budget * t))`
+    steps. Process 0's interval is the group's (`StopAgreement`)."""
+
+    def __init__(self, budget: float, memory):
+        self.interval = 1 if memory is not None and budget > 0 else 0  # 0: never
+        self._budget = budget
+
+    def took(self, copy_seconds: float, step_seconds: float) -> None:
+        if self.interval and step_seconds > 0:
+            self.interval = max(1, math.ceil(copy_seconds / (self._budget * step_seconds)))
+
+
+def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec) -> float:
+    """Copy this process's shards of the state after `step` to the host and hand them to `memory`
+    (sent in the background); returns the seconds the copy held the training loop."""
+    import jax
+
+    from checkpoint import take_snapshot
+
+    jax.block_until_ready(state)  # the step's own time is not the copy's
+    t = time.perf_counter()
+    index, arrays = take_snapshot(state)
+    meta = {"data_position": step, "examples_seen": examples_seen, "segment": spec.segment, "step": step}
+    memory.offer(step, index, arrays, meta)  # waits while the previous one is still being sent
+    return time.perf_counter() - t
+
+
+def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec: SegmentSpec, report: Report):
+    """Compile the step (and the digest, and the evaluation) for a mesh this group may shrink to,
+    into the persistent compilation cache, so the group that runs it finds them there.
+
+    The smaller mesh's plan is bound to this group's first devices, which are the devices (global
+    ids and processes) a group of that many hosts would have, so the cache keys are the ones it
+    will ask for. Process 0 alone compiles (JAX writes the cache only there), in a thread beside
+    training; a failure is reported, never raised into the training loop."""
+    import jax
+
+    from partitioner import Plan
+
+    t = time.perf_counter()
+    try:
+        plan = Plan.from_json(plan_json)
+        devices = jax.devices()
+        step_fn = plan.jit(program.step, (abstract_state, abstract_batch), devices, carry={0: 0}, donate_argnums=(0,))
+        step_fn.lower(abstract_state, abstract_batch).compile()
+        if program.evaluation is not None:
+            fn = plan.jit(program.evaluation.step, (abstract_state, abstract_batch), devices, replicated_outputs=True)
+            fn.lower(abstract_state, abstract_batch).compile()
+        if spec.digest:
+            shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
+            target = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
+            )
+            compile_digest(target, lambda lowered: lowered.compile())
+        report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": time.perf_counter() - t})
+    except Exception as e:  # noqa: BLE001 (anything: the segment trains on regardless)
+        report({"kind": "compile_ahead", "seconds": time.perf_counter() - t, "error": f"{type(e).__name__}: {e}"})
+
+
+def run_segment(
+    spec: SegmentSpec,
+    report: Report,
+    should_stop: Callable[[], Stop] = lambda: Stop.NO,
+    memory=None,
+    ahead: Callable[[], str | None] = lambda: None,
+) -> dict:
+    """Train one segment. `memory`: where peer snapshots go and the one to restore comes from
+    (`snapshots.PeerSnapshots`, or anything with its `offer` and `restore_step`); None
+    where there is none (a plain process without Ray). `ahead`: a plan (JSON) for a smaller mesh
+    to compile into the persistent cache beside training (`_compile_ahead`), or None; asked
+    between steps, on process 0 only."""
     import jax
 
     from checkpoint import StoreConfig
@@ -243,10 +358,11 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     lap("group_start", devices=jax.device_count())
 
     program = load_program(spec.program, JobSettings(spec.steps, spec.global_batch, spec.seed, spec.options))
+    abstract_state, abstract_batch = abstract_inputs(program, spec.global_batch, spec.seed)
+
     plan = Plan.from_json(spec.plan_json)
     mesh = plan.bind(jax.devices())
     key = jax.random.key(spec.seed)
-    abstract_state, abstract_batch = abstract_inputs(program, spec.global_batch, spec.seed)
     state_sh = plan.shardings(mesh, abstract_state, argnum=0)
     batch_sh = plan.shardings(mesh, abstract_batch, argnum=1)
 
@@ -257,23 +373,17 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
 
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
     step_fn = plan.jit(program.step, (abstract_state, abstract_batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
-    # The digest's program compiles in a thread beside the step's (XLA releases the GIL), and like
-    # the step's, once per group.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        share = lambda lowered: _compile_once(lowered, spec)
-        pending = pool.submit(compile_digest, target, share) if spec.digest else None
-        compiled = share(step_fn.lower(abstract_state, abstract_batch))
-        evaluation = program.evaluation
-        if evaluation is not None:
-            eval_fn = plan.jit(
-                evaluation.step, (abstract_state, abstract_batch), jax.devices(), replicated_outputs=True
-            )
-            eval_compiled = share(eval_fn.lower(abstract_state, abstract_batch))
-        digest_fn = pending.result() if pending else None
+    share = lambda lowered: _compile_once(lowered, spec)
+    digest_fn = _Digest(target, share, spec.digest)
+    compiled = share(step_fn.lower(abstract_state, abstract_batch))
+    evaluation = program.evaluation
+    if evaluation is not None:
+        eval_fn = plan.jit(evaluation.step, (abstract_state, abstract_batch), jax.devices(), replicated_outputs=True)
+        eval_compiled = share(eval_fn.lower(abstract_state, abstract_batch))
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", **flops)
 
-    state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap)
+    state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
     if evaluation is not None:
@@ -285,7 +395,8 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = plan.devices_used * profile(spec.hardware).peak_flops
     done = first
-    stops = StopAgreement(should_stop, spec.num_processes)
+    pace = _SnapshotPace(spec.checkpoint.memory_budget, memory)
+    stops = StopAgreement(should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval)
     # The next step's batch is read and laid out on the devices while this step runs; the time
     # a step waits for it is its input time.
     prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-input")
@@ -296,8 +407,11 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
     pending: _Dispatched | None = None
     seconds = 0.0  # the last step's time, read back
     waited = 0.0  # input waits since the last step was reported: charged to the lap that holds them
+    copied = 0.0  # likewise, peer snapshots' copies to the host
     try:
         for index in range(first, spec.steps):
+            if index == first + 1:
+                digest_fn.start()  # the first step is done: the digest compiles beside the next ones
             t_input = time.time()
             batch = upcoming.result()
             upcoming = prefetch.submit(batches, index + 1) if index + 1 < spec.steps else None
@@ -307,8 +421,9 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             waited += t_dispatch - t_input
             state, metrics = compiled(state, batch)
             if pending is not None:
-                seconds, waited = pending.read_back(lap, tokens, flops["model_flops"], peak, waited), 0.0
-            pending = _Dispatched(index + 1, metrics)
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
+                waited = copied = 0.0
+            pending = _Dispatched(index + 1, metrics, stops.snapshot_every)
             done = index + 1
             evaluated = evaluation is not None and done % evaluation.every == 0
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
@@ -316,7 +431,8 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
             if evaluated or boundary or stop is Stop.NOW:
                 # Read back now: the next step would donate the state that a save or an
                 # evaluation needs, and an evaluation's time is its own only with the step done.
-                seconds, waited = pending.read_back(lap, tokens, flops["model_flops"], peak, waited), 0.0
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
+                waited = copied = 0.0
                 pending = None
             if evaluated:
                 _evaluate(eval_compiled, state, held_out, evaluation.batches, lap, done)
@@ -325,8 +441,17 @@ def run_segment(spec: SegmentSpec, report: Report, should_stop: Callable[[], Sto
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
                 break
+            next_plan = ahead() if spec.compilation_cache and jax.process_index() == 0 else None
+            if next_plan is not None:
+                args = (next_plan, program, abstract_state, abstract_batch, spec, report)
+                threading.Thread(target=_compile_ahead, args=args, daemon=True, name="remesh-ahead").start()
+            if done < spec.steps and stops.snapshot_every and done % stops.snapshot_every == 0:
+                copy = _snapshot(memory, state, done, position.example_index(done), spec)
+                pace.took(copy, seconds)
+                copied += copy
     finally:
         prefetch.shutdown(wait=True, cancel_futures=True)
+        digest_fn.close()
     store.wait()
     lap("checkpoint_flush", step=done)
     store.close()
@@ -361,8 +486,9 @@ def _flops(analysis) -> float | None:
     return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
-def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, lap: _Laps):
-    """Restore the newest committed step that every process reads intact, or initialise.
+def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, lap: _Laps, memory=None):
+    """Restore the peer snapshot the controller chose, or else the newest committed step that
+    every process reads intact, or initialise.
 
     A step that fails its checksums (or its digest) on any process is moved aside on all of them
     and the next older one is tried; the processes agree step by step, so they all resume from
@@ -371,6 +497,9 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
 
     from checkpoint import CheckpointCorruptError, CheckpointFormatError
 
+    restored = _restore_snapshot(memory, target, lap)
+    if restored is not None:
+        return restored
     committed = store.steps()
     for step in reversed(committed):
         try:
@@ -386,7 +515,7 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
                 store.quarantine(step)
             continue
         stats = store.last_restore
-        lap("restore", step=step, bytes_read=stats.bytes_read, bytes_needed=stats.bytes_needed, **event)
+        lap("restore", step=step, source="disk", bytes_read=stats.bytes_read, bytes_needed=stats.bytes_needed, **event)
         first = int(meta.get("data_position", step))
         return state, first, int(meta.get("examples_seen", first * spec.global_batch))
     if committed:
@@ -400,10 +529,33 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
     return state, 0, 0
 
 
-def _check_digest(digest_fn, state, meta: dict, step: int, spec: SegmentSpec) -> dict:
-    if digest_fn is None or not str(meta.get("digest", "")).startswith(DIGEST_KIND):
+def _restore_snapshot(memory, target, lap: _Laps):
+    """(state, first step, first example) from the peer snapshot in `memory`, if every process
+    reads its pieces intact (crc32 of each); None, on every process alike, otherwise."""
+    from checkpoint import CheckpointCorruptError, CheckpointNotFoundError, restore_step
+
+    if memory is None:
+        return None
+    state = error = None
+    try:
+        source = memory.restore_step()
+        if source is None:  # the same on every process: the controller gives all or none a snapshot
+            return None
+        state, stats = restore_step(source, target)
+    except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+        error = e
+    if not _all_agree(error is None):
+        lap("snapshot_unusable", error=str(error) if error else "unusable on another host")
+        return None
+    lap("restore", step=source.step, source="memory", bytes_read=0, bytes_needed=stats.bytes_needed)
+    meta = source.meta
+    return state, int(meta["data_position"]), int(meta["examples_seen"])
+
+
+def _check_digest(digest_fn: _Digest, state, meta: dict, step: int, spec: SegmentSpec) -> dict:
+    if not digest_fn.enabled or not str(meta.get("digest", "")).startswith(DIGEST_KIND):
         return {}
-    event = {"digest": digest(digest_fn, state), "saved_digest": meta["digest"]}
+    event = {"digest": digest(digest_fn.get(), state), "saved_digest": meta["digest"]}
     if event["digest"] != event["saved_digest"]:
         raise RestoredStateMismatchError(
             f"the state restored from step {step} in {spec.checkpoint.dir} does not match the digest saved "
@@ -422,7 +574,9 @@ def _all_agree(ok: bool) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _save(store, state, plan, digest_fn, step: int, examples_seen: int, spec: SegmentSpec, report: Report) -> None:
+def _save(
+    store, state, plan, digest_fn: _Digest, step: int, examples_seen: int, spec: SegmentSpec, report: Report
+) -> None:
     if spec.freeze_before_save == step:
         # Fault injection: the previous checkpoint is complete, this one is begun by the other
         # hosts and never finished by this one; hang here until the controller kills the host.
@@ -440,8 +594,8 @@ def _save(store, state, plan, digest_fn, step: int, examples_seen: int, spec: Se
         "steps": spec.steps,
         "options": spec.options,
     }
-    if digest_fn is not None:
-        meta["digest"] = digest(digest_fn, state)
+    if digest_fn.enabled:
+        meta["digest"] = digest(digest_fn.get(), state)
     store.save(step, state, plan=plan, meta=meta)
 
 

@@ -94,6 +94,9 @@ def fake_group_cls(world, every, now):
             done = done or self.step >= self.specs[0].steps
             return [HostStatus(list(reports), done, None) for _ in range(self.size)]
 
+        def compile_ahead(self, plan_json):
+            self.ahead = [*getattr(self, "ahead", []), plan_json]
+
         def request_stop(self, now=False):
             self.stop = True
             self.stop_now = self.stop_now or now
