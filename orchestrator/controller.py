@@ -123,6 +123,8 @@ class JobController:
         self._recovering_since: float | None = None  # loss detected at, until the first new step
         self._lost_after: int | None = None  # the step reached when hosts were lost, until the restore
         self._snapshot_every = 0  # the group's peer snapshot interval, as its last step reported it
+        self._badput_at_loss: dict | None = None  # the ledger's badput when hosts were lost
+        self._lost_after_step: int | None = None  # the step reached at the last loss (kept after the restore)
         self._stopping = False  # a resize is waiting for the next checkpoint boundary
         self._stop_reason: str | None = None  # a stop was requested (a signal)
         self._stop_deadline = 0.0
@@ -481,6 +483,7 @@ class JobController:
                 self.summary.recovery_seconds.append(round(recovery, 3))
                 self._recovering_since = None
                 self.print(f"      recovered in {recovery:.1f} s")
+            self._charge_loss(r["step"])
             self._progress(r)
         elif kind == "eval":
             self.summary.record_eval(r["step"], r["loss"], r.get("metrics"))
@@ -515,6 +518,16 @@ class JobController:
                 again = f"; {extra['recomputed']} steps to compute again" if "recomputed" in extra else ""
                 self.print(f"      restored step {r['step']} from {where} in {r['seconds']:.2f} s{again}")
 
+    def _charge_loss(self, step: int) -> None:
+        """Once a group computes a step past the one reached at a loss, what the ledger charged
+        meanwhile (detection and tear-down, start, compile, restore, steps computed again) is the
+        loss's badput, by category."""
+        if self._badput_at_loss is None or step <= (self._lost_after_step or 0):
+            return
+        before, self._badput_at_loss = self._badput_at_loss, None
+        charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
+        self.summary.loss_badput.append({"total": round(sum(charged.values()), 4), **charged})
+
     def _account(self, r: dict) -> None:
         """Charge a report of process 0 to the ledger (goodput.py); steps to the throughput."""
         if r["kind"] == "step":
@@ -544,6 +557,8 @@ class JobController:
 
     def _on_hosts_lost(self, e: HostsLostError) -> Phase:
         detected = self.clock()
+        if self._badput_at_loss is None:  # a loss during a recovery is charged to the first
+            self._badput_at_loss = dict(self.ledger.seconds)
         # From the last report to now the group was failing, and until the next plan it is torn down.
         self.ledger.fill(self.wall(), "lost")
         self.ledger.gap = "lost"
@@ -551,7 +566,7 @@ class JobController:
         dead_nodes = [n for n in e.node_ids if n not in alive]
         injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
         self._failures += 1
-        self._lost_after = self._done_step()
+        self._lost_after = self._lost_after_step = self._done_step()
         self._event(
             "host_lost",
             step=self._done_step(),

@@ -71,6 +71,8 @@ class RunSummary:
     events: list[dict] = dataclasses.field(default_factory=list)
     recovery_seconds: list[float] = dataclasses.field(default_factory=list)
     recomputed_steps: list[int] = dataclasses.field(default_factory=list)  # per host loss: steps done again
+    # Per host loss: the badput charged from the loss to the first step past it, by category and in total.
+    loss_badput: list[dict] = dataclasses.field(default_factory=list)
     state: str = "running"
     reason: str = ""
     wall_seconds: float = 0.0
@@ -113,6 +115,7 @@ class RunSummary:
             "events": self.events,
             "recovery_seconds": self.recovery_seconds,
             "recomputed_steps": self.recomputed_steps,
+            "loss_badput": self.loss_badput,
             "wall_seconds": round(self.wall_seconds, 3),
             "goodput": self.goodput,
             "throughput": self.throughput,

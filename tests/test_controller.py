@@ -244,6 +244,11 @@ def test_goodput_parts_add_up_to_wall_time_and_recomputed_steps_are_lost():
     assert g["badput_seconds"]["planning"] > 0 and g["badput_seconds"]["startup"] > 0
     assert summary.throughput["mfu"] == 0.5 and summary.throughput["steps_measured"] == 22
     assert [s["median_step_seconds"] for s in summary.segments] == [0.1, 0.1]
+    # The loss's own badput: from the last report before it to the first step past step 12.
+    (charged,) = summary.loss_badput
+    assert charged["lost"] >= 2 * 0.1 and charged["restore"] == pytest.approx(0.01) and charged["planning"] > 0
+    assert charged["total"] == pytest.approx(sum(v for k, v in charged.items() if k != "total"))
+    assert summary.recomputed_steps == [2]  # restored step 10 after step 12 was reached
 
 
 def test_evaluations_are_reported_like_the_training_loss_and_input_waits_charged_as_input():
