@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--store", help="fleet store (SQLite) to record the job in (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
     )
     run.add_argument("--no-store", action="store_true", help="record the job in no fleet store")
+    run.add_argument(
+        "--stop-file",
+        help="a preemption notice: when this file appears, commit the step reached and stop, as on SIGTERM "
+        "(deploy/kuberay: a preStop hook touches it)",
+    )
 
     submit = sub.add_parser("submit", help="submit a job to a running Ray cluster (Ray Jobs API)")
     submit.add_argument("job", help="job file (TOML)")
@@ -124,7 +129,12 @@ def _run(args) -> int:
     if args.checkpoint_dir:
         job = job.with_checkpoint_dir(args.checkpoint_dir)
     store = None if args.no_store else FleetStoreConfig(path=args.store or "")
-    summary = run_job(job, chaos=args.chaos, address=args.address, hosts=args.hosts, store=store)
+    config = None
+    if args.stop_file:
+        from .controller import ControllerConfig
+
+        config = ControllerConfig(stop_file=os.path.abspath(args.stop_file))
+    summary = run_job(job, chaos=args.chaos, address=args.address, hosts=args.hosts, store=store, config=config)
     if args.summary:
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         summary.write(args.summary)

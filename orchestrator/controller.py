@@ -16,10 +16,12 @@ planner and the host-group class are parameters.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -31,6 +33,8 @@ from .jobfile import JobSpec
 from .recorder import Recorder
 from .summary import RunSummary
 from .worker import SegmentSpec
+
+LOSS_BADPUT = ("lost", "startup", "planning", "compile", "restore")  # what a host loss costs
 
 
 class Phase(enum.Enum):
@@ -59,6 +63,9 @@ class ControllerConfig:
     host_check_interval_s: float = 1.0  # how often to ask the cluster for new hosts
     compilation_cache: str | None = None
     stop_grace_s: float = 20.0  # after a stop request, how long hosts get to save the step reached
+    # A preemption notice: when this file appears (a Kubernetes preStop hook, a spot-instance
+    # watcher), the job stops as on SIGTERM; the file is removed, so a re-run trains on.
+    stop_file: str | None = None
     env_vars: dict = dataclasses.field(default_factory=dict)
 
 
@@ -330,6 +337,15 @@ class JobController:
                     self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-plan")
                 self._ahead[key] = self._ahead_pool.submit(self.planner, key[1])
 
+    def _preempted(self) -> bool:
+        path = self.config.stop_file
+        if not path or self._stop_reason or not os.path.exists(path):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        self._stop_reason = f"preemption notice: {path} appeared"
+        return True
+
     def _send_ahead(self) -> None:
         """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles it into
         the persistent cache while it trains: a group on that mesh then loads it instead."""
@@ -394,6 +410,8 @@ class JobController:
             return self._fail(str(e))
         self._take(enumerate(statuses))
         self._send_ahead()
+        if self._preempted():
+            return Phase.RUNNING  # the next step begins the stop
         if self.recorder.due():  # medians over every step: not at every poll
             self._record_status()
             self.recorder.flush()
@@ -520,13 +538,15 @@ class JobController:
 
     def _charge_loss(self, step: int) -> None:
         """Once a group computes a step past the one reached at a loss, what the ledger charged
-        meanwhile (detection and tear-down, start, compile, restore, steps computed again) is the
-        loss's badput, by category."""
+        meanwhile is the loss's badput, by category; its total counts detection and tear-down,
+        group start, planning, compile, restore and steps computed again (`LOSS_BADPUT`)."""
         if self._badput_at_loss is None or step <= (self._lost_after_step or 0):
             return
         before, self._badput_at_loss = self._badput_at_loss, None
         charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
-        self.summary.loss_badput.append({"total": round(sum(charged.values()), 4), **charged})
+        # Saves, input waits and evaluations in the window would have happened without the loss.
+        total = sum(charged[k] for k in LOSS_BADPUT)
+        self.summary.loss_badput.append({"total": round(total, 4), **charged})
 
     def _account(self, r: dict) -> None:
         """Charge a report of process 0 to the ledger (goodput.py); steps to the throughput."""

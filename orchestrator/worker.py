@@ -186,8 +186,8 @@ def _evaluate(compiled, state, held_out, batches: int, lap: _Laps, step: int) ->
 
 class _Digest:
     """The state digest's compiled program (digest.py), compiled once per group when first needed
-    (a save, a restore from disk) or when `start`ed, in a thread beside training: never on the
-    path from a new group's start to its first step unless that step restores from disk."""
+    (a restore from disk) or when `start`ed, in a thread beside training: off the path from a new
+    group's start to its first step unless that step restores from disk."""
 
     def __init__(self, target, compile, enabled: bool):
         self._target, self._compile, self.enabled = target, compile, enabled
@@ -384,6 +384,7 @@ def run_segment(
     lap("compile", **flops)
 
     state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
+    digest_fn.start()  # beside the first steps (already compiled if the restore read the disk)
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
     if evaluation is not None:
@@ -410,8 +411,6 @@ def run_segment(
     copied = 0.0  # likewise, peer snapshots' copies to the host
     try:
         for index in range(first, spec.steps):
-            if index == first + 1:
-                digest_fn.start()  # the first step is done: the digest compiles beside the next ones
             t_input = time.time()
             batch = upcoming.result()
             upcoming = prefetch.submit(batches, index + 1) if index + 1 < spec.steps else None

@@ -79,6 +79,7 @@ def test_worker_pods_are_remesh_hosts_with_their_accelerators(name):
 @pytest.mark.parametrize("name", ["rayjob-gpu.yaml", "rayjob-tpu.yaml"])
 def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(name):
     from orchestrator.cli import build_parser
+    from orchestrator.controller import ControllerConfig
     from orchestrator.jobfile import load_job
     from partitioner import profile
 
@@ -97,6 +98,12 @@ def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(nam
     assert profile(job.hardware).name.startswith("h100" if "gpu" in name else "tpu")
     mounts = {m["mountPath"] for m in group["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert any(job.checkpoint.dir.startswith(m + "/") for m in mounts), (job.checkpoint.dir, mounts)
+    # A preemption of the head (where the job's controller runs) gives notice through --stop-file,
+    # with time to commit the step reached.
+    head = cluster_spec(doc)["headGroupSpec"]["template"]["spec"]
+    hook = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert args.stop_file and f"touch {args.stop_file}" in hook[-1]
+    assert head["terminationGracePeriodSeconds"] > ControllerConfig().stop_grace_s
 
 
 def test_prometheus_scrapes_the_metrics_port_and_restores_remesh_names():
