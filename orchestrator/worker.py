@@ -426,10 +426,16 @@ def run_segment(
             done = index + 1
             evaluated = evaluation is not None and done % evaluation.every == 0
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
-            stop = stops.agree(done, boundary, seconds)
-            if evaluated or boundary or stop is Stop.NOW:
+            if evaluated or boundary:
                 # Read back now: the next step would donate the state that a save or an
                 # evaluation needs, and an evaluation's time is its own only with the step done.
+                # Before the agreement, whose first broadcast compiles: a step is reported as
+                # soon as it is done (the first step after a recovery ends the recovery).
+                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
+                waited = copied = 0.0
+                pending = None
+            stop = stops.agree(done, boundary, seconds)
+            if stop is Stop.NOW and pending is not None:  # likewise, before the save of the step reached
                 seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
                 waited = copied = 0.0
                 pending = None
