@@ -1,5 +1,6 @@
 """Recovery after a host loss: remesh against Ray Train's elastic JaxTrainer, side by side.
 
+    .venv/bin/pip install -e ".[bench]"   # Ray Train and its dependencies
     .venv/bin/python benchmarks/recovery_vs_raytrain.py --runs 3
 
 Both train examples/gpt's GPT (global batch 24) for 60 steps on an embedded Ray cluster of 4
@@ -119,7 +120,7 @@ def ray_train_run(workdir: str) -> dict:
         ray.shutdown()  # again, with the hosts' environment for every worker of this job
         env = {
             **cluster.host_env(),
-            "PYTHONPATH": ROOT,
+            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")]),
             "RAY_TRAIN_V2_ENABLED": "1",
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
         }
