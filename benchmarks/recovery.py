@@ -60,7 +60,8 @@ def parts(s: dict) -> dict:
         # The first step's lap ends when it is reported; the restore's is reported before it.
         "first_step_s": seg["first_step_at"] - first["restore"]["at"],
         "recovery_s": s["recovery_seconds"][0],
-        "recomputed_steps": s["recomputed_steps"][0],
+        # From the events, so that a summary of a revision before `recomputed_steps` reads the same.
+        "recomputed_steps": lost["step"] - first["restore"]["step"],
         "loss_badput_s": s["loss_badput"][0]["total"] if s.get("loss_badput") else None,
         # Cold start: the first segment, from forming its group to its first step.
         "cold_start_s": s["segments"][0]["first_step_at"] - s["segments"][0]["started_at"],
@@ -85,7 +86,7 @@ def main() -> int:
         last = one_run(args.steps, args.chaos, os.path.abspath(args.root))
         rows.append(parts(last))
         print(json.dumps({"run": i, **{k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}}))
-    numeric = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and v is not None]
+    numeric = [k for k, v in rows[0].items() if isinstance(v, (int, float))]
     stats = {
         k: {
             "median": round(statistics.median(r[k] for r in rows), 3),

@@ -29,25 +29,31 @@ from .sources import LeafInfo, _dtype
 PieceKey = tuple[int, int]  # (the process that took it, its number in that process's index)
 
 
-def take(state: Any) -> tuple[dict, list[np.ndarray]]:
+def take(state: Any, index: dict | None = None) -> tuple[dict, list[np.ndarray]]:
     """This process's pieces of `state`: a copy on the host of every addressable shard that is
     replica 0 of its box, and an index saying which leaf and box each is. Blocks until the state
-    is computed; the copies are the caller's (the state may be donated right after)."""
-    leaves, pieces, arrays = {}, [], []
+    is computed; the copies are the caller's (the state may be donated right after). `index`: the
+    one an earlier `take` of a state laid out the same returned, so it is not made again."""
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     values = [jax.random.key_data(x) if _is_key(x) else x for _, x in flat]
-    shards = [[s for s in x.addressable_shards if s.replica_id == 0] for x in values]
+    shards = [[s.data for s in x.addressable_shards if s.replica_id == 0] for x in values]
     for group in shards:  # every copy under way before the first is waited on
-        for s in group:
-            s.data.copy_to_host_async()
-    for (keypath, _), x, group in zip(flat, values, shards):
+        for data in group:
+            data.copy_to_host_async()
+    # Copies: on CPU np.asarray would alias a buffer the next step donates.
+    arrays = [np.array(data) for group in shards for data in group]
+    return index or _index(flat, values), arrays
+
+
+def _index(flat: list, values: list) -> dict:
+    leaves, pieces = {}, []
+    for (keypath, _), x in zip(flat, values):
         path = layout.leaf_path(keypath)
         leaves[path] = {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
-        for s in group:
-            box = [list(sl.indices(d)[:2]) for sl, d in zip(s.index, x.shape)]
-            pieces.append({"path": path, "box": box})
-            arrays.append(np.array(s.data))  # a copy: on CPU np.asarray would alias a donated buffer
-    return {"leaves": leaves, "pieces": pieces}, arrays
+        for s in x.addressable_shards:
+            if s.replica_id == 0:
+                pieces.append({"path": path, "box": [list(sl.indices(d)[:2]) for sl, d in zip(s.index, x.shape)]})
+    return {"leaves": leaves, "pieces": pieces}
 
 
 def seal(index: dict, arrays: Sequence[np.ndarray]) -> dict:

@@ -12,11 +12,13 @@ so it belongs to whoever starts the process, never to this module.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import enum
 import json
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -186,8 +188,9 @@ def _evaluate(compiled, state, held_out, batches: int, lap: _Laps, step: int) ->
 
 class _Digest:
     """The state digest's compiled program (digest.py), compiled once per group when first needed
-    (a restore from disk) or when `start`ed, in a thread beside training: off the path from a new
-    group's start to its first step unless that step restores from disk."""
+    (a restore from disk, a save) or when `start`ed after the first step is done, in a thread
+    beside training: off the path from a new group's start to its first step unless that step
+    restores from disk."""
 
     def __init__(self, target, compile, enabled: bool):
         self._target, self._compile, self.enabled = target, compile, enabled
@@ -278,16 +281,25 @@ class _SnapshotPace:
     sent) taking `c` seconds beside steps of `t` seconds is taken every `ceil(c / (budget * t))`
     steps. Process 0's interval is the group's (`StopAgreement`)."""
 
-    def __init__(self, budget: float, memory):
+    def __init__(self, budget: float, memory, window: int = 5):
         self.interval = 1 if memory is not None and budget > 0 else 0  # 0: never
         self._budget = budget
+        self.index: dict | None = None  # the snapshot index, made by the first take
+        # The medians of the last few: one copy slowed by something else (a compile beside
+        # training) does not stretch the interval for long.
+        self._copies: collections.deque = collections.deque(maxlen=window)
+        self._steps: collections.deque = collections.deque(maxlen=window)
 
     def took(self, copy_seconds: float, step_seconds: float) -> None:
-        if self.interval and step_seconds > 0:
-            self.interval = max(1, math.ceil(copy_seconds / (self._budget * step_seconds)))
+        if not self.interval or step_seconds <= 0:
+            return
+        self._copies.append(copy_seconds)
+        self._steps.append(step_seconds)
+        copy, step = statistics.median(self._copies), statistics.median(self._steps)
+        self.interval = max(1, math.ceil(copy / (self._budget * step)))
 
 
-def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec) -> float:
+def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, pace: _SnapshotPace) -> float:
     """Copy this process's shards of the state after `step` to the host and hand them to `memory`
     (sent in the background); returns the seconds the copy held the training loop."""
     import jax
@@ -296,9 +308,9 @@ def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec) -
 
     jax.block_until_ready(state)  # the step's own time is not the copy's
     t = time.perf_counter()
-    index, arrays = take_snapshot(state)
+    pace.index, arrays = take_snapshot(state, pace.index)
     meta = {"data_position": step, "examples_seen": examples_seen, "segment": spec.segment, "step": step}
-    memory.offer(step, index, arrays, meta)  # waits while the previous one is still being sent
+    memory.offer(step, pace.index, arrays, meta)  # waits while the previous one is still being sent
     return time.perf_counter() - t
 
 
@@ -384,7 +396,6 @@ def run_segment(
     lap("compile", **flops)
 
     state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
-    digest_fn.start()  # beside the first steps (already compiled if the restore read the disk)
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
     if evaluation is not None:
@@ -422,6 +433,7 @@ def run_segment(
             if pending is not None:
                 seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
                 waited = copied = 0.0
+                digest_fn.start()  # once a step is done: beside training, not beside the first step
             pending = _Dispatched(index + 1, metrics, stops.snapshot_every)
             done = index + 1
             evaluated = evaluation is not None and done % evaluation.every == 0
@@ -434,6 +446,7 @@ def run_segment(
                 seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
                 waited = copied = 0.0
                 pending = None
+                digest_fn.start()
             stop = stops.agree(done, boundary, seconds)
             if stop is Stop.NOW and pending is not None:  # likewise, before the save of the step reached
                 seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
@@ -451,7 +464,7 @@ def run_segment(
                 args = (next_plan, program, abstract_state, abstract_batch, spec, report)
                 threading.Thread(target=_compile_ahead, args=args, daemon=True, name="remesh-ahead").start()
             if done < spec.steps and stops.snapshot_every and done % stops.snapshot_every == 0:
-                copy = _snapshot(memory, state, done, position.example_index(done), spec)
+                copy = _snapshot(memory, state, done, position.example_index(done), spec, pace)
                 pace.took(copy, seconds)
                 copied += copy
     finally:

@@ -102,6 +102,8 @@ def test_the_snapshot_interval_keeps_the_copy_within_its_share_of_step_time():
     assert pace.interval == 1
     pace.took(copy_seconds=0.012, step_seconds=0.1)  # 12% of a step: every 3rd step is 4%
     assert pace.interval == 3
+    pace.took(copy_seconds=0.001, step_seconds=0.1)  # by the medians of the last few
+    assert pace.interval == 2
     pace.took(copy_seconds=0.001, step_seconds=0.1)
     assert pace.interval == 1
     assert _SnapshotPace(0.0, memory=object()).interval == 0 and _SnapshotPace(0.05, memory=None).interval == 0
