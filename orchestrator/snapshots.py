@@ -16,6 +16,7 @@ divided by the group's hosts (replicated leaves are kept once, by the process ho
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 from typing import Any
@@ -98,17 +99,20 @@ class PeerSnapshots:
     def __init__(self, plan: HostSnapshots):
         self.plan = plan
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-snapshot")
-        self._sending: concurrent.futures.Future | None = None
+        self._sending: collections.deque = collections.deque()  # sends submitted, oldest first
         self.last_sent: int | None = None  # the newest step every keeper acknowledged
         self.failed = 0  # sends a keeper did not acknowledge (its host gone, say)
 
     def offer(self, step: int, index: dict, arrays: list[np.ndarray], meta: dict) -> None:
-        """Send this process's share of `step` in the background, once the previous one is sent:
-        every process sends the same steps (a step is restorable only if all its shares arrive),
-        and at most one share is on its way and one waiting, so host memory stays bounded."""
-        if self._sending is not None:
-            self._sending.result()
-        self._sending = self._pool.submit(self._send, step, index, arrays, meta)
+        """Send this process's share of `step` in the background, after the ones before it. Every
+        process sends the same steps (a step is restorable only if all its shares arrive), so a
+        share is never dropped: with two already waiting, this waits for the oldest, which keeps
+        host memory bounded (one share on its way, one queued, this one)."""
+        while self._sending and self._sending[0].done():
+            self._sending.popleft()
+        if len(self._sending) >= 2:
+            self._sending.popleft().result()
+        self._sending.append(self._pool.submit(self._send, step, index, arrays, meta))
 
     def _send(self, step: int, index: dict, arrays: list[np.ndarray], meta: dict) -> None:
         from checkpoint import seal_snapshot

@@ -81,7 +81,26 @@ def start_group(spec: SegmentSpec) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         _process_invariant_cpu_cache_keys()
     if spec.num_processes > 1:
+        if spec.process_id != 0:
+            _wait_for_coordinator(spec.coordinator, timeout_s=60)
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, initialization_timeout=60)
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait until process 0's coordination service accepts connections. A client that dials it
+    before it listens backs off for about a second before dialling again, which was the group
+    start's time whenever process 0 came up last."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+    # jax.distributed.initialize reports an unreachable coordinator itself, with its own timeout
 
 
 def _process_invariant_cpu_cache_keys() -> None:
