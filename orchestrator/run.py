@@ -84,7 +84,10 @@ def run_job(
             keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))
             stack.callback(keepers.shutdown)  # before the cluster goes
         standby = None
-        if not isinstance(cluster, _NoHosts):
+        if not isinstance(cluster, _NoHosts) and not address:
+            # Only on a cluster of its own: standby actors hold no host resource, so on a shared
+            # cluster two jobs could take the same hosts; there each group is gang-scheduled by a
+            # placement group that reserves them (and a recovery spawns its actors).
             from .hosts import StandbyPool
 
             standby = StandbyPool(modules=(job.program.split(":")[0],))
