@@ -54,10 +54,10 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
     fed = [0]
 
     class Group:
-        def __init__(self, size, config):
+        def __init__(self, size, config, standby=None):
             self.size, self.node_ids, self.step = size, [f"n{i}" for i in range(size)], 0
 
-        def start(self, spec_for):
+        def start(self, spec_for, snapshots=None):
             pass
 
         def poll(self):

@@ -62,10 +62,6 @@ def seal(index: dict, arrays: Sequence[np.ndarray]) -> dict:
     return {**index, "pieces": pieces}
 
 
-def nbytes(arrays: Sequence[np.ndarray]) -> int:
-    return sum(a.nbytes for a in arrays)
-
-
 class MemoryStep:
     """A snapshot taken by every process of a group, readable like a checkpoint step (sources.py).
 
@@ -93,6 +89,7 @@ class MemoryStep:
                 self.leaves.setdefault(path, LeafInfo(path, shape, _dtype(leaf["dtype"]), shape, where))
             for n, p in enumerate(index["pieces"]):
                 self._pieces[p["path"]].append(((process, n), tuple(map(tuple, p["box"])), p["crc32"]))
+        self._crc = {key: crc for pieces in self._pieces.values() for key, _, crc in pieces}
         self._wanted: dict[PieceKey, int] = collections.Counter()  # reads issued and not finished
         self._held: dict[PieceKey, np.ndarray] = {}
 
@@ -117,9 +114,8 @@ class MemoryStep:
         with every other read issued so far)."""
         missing = [k for k in self._wanted if k not in self._held]
         if missing:
-            crcs = {key: crc for pieces in self._pieces.values() for key, _, crc in pieces}
             for key, value in zip(missing, self._fetch(missing)):
-                if _crc(value) != crcs[key]:
+                if _crc(value) != self._crc[key]:
                     raise CheckpointCorruptError(
                         f"snapshot step {self.step} in {self.dir}: piece {key[1]} of process {key[0]} fails its "
                         "crc32; the job falls back to the newest committed checkpoint"

@@ -128,10 +128,10 @@ class JobController:
         self._segment: dict | None = None
         self._failures = 0
         self._recovering_since: float | None = None  # loss detected at, until the first new step
-        self._lost_after: int | None = None  # the step reached when hosts were lost, until the restore
         self._snapshot_every = 0  # the group's peer snapshot interval, as its last step reported it
-        self._badput_at_loss: dict | None = None  # the ledger's badput when hosts were lost
-        self._lost_after_step: int | None = None  # the step reached at the last loss (kept after the restore)
+        # A host loss being recovered from: the step reached, the ledger then, and whether the
+        # restore (which says how many steps are computed again) has been reported.
+        self._loss: dict | None = None
         self._stopping = False  # a resize is waiting for the next checkpoint boundary
         self._stop_reason: str | None = None  # a stop was requested (a signal)
         self._stop_deadline = 0.0
@@ -290,7 +290,7 @@ class JobController:
         t = self.clock()
         try:
             config = HostGroupConfig(env_vars=self._host_env())
-            self._group = self.group_cls(hosts, config, self.standby) if self.standby else self.group_cls(hosts, config)
+            self._group = self.group_cls(hosts, config, self.standby)
         except HostsUnavailableError as e:
             self.print(f"warn  {e}; re-planning")
             self._target = None
@@ -301,7 +301,7 @@ class JobController:
         plan_json = self._plan.to_json()
         spec_for = lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i))
         snapshots = self._snapshot_plans()
-        self._group.start(spec_for, snapshots) if snapshots else self._group.start(spec_for)
+        self._group.start(spec_for, snapshots)
         self._segment = {
             "mesh": dict(self._plan.mesh),
             "hosts": hosts,
@@ -324,11 +324,11 @@ class JobController:
     def _host_env(self) -> dict:
         return {**self.cluster.host_env(), **self.config.env_vars}
 
-    def _prepare_next(self, alive: list[str] | None = None) -> None:
+    def _prepare_next(self) -> None:
         """What the next group will need, made while this one trains: a standby actor on every live
         host, and plans for the meshes a resize would likely go to (a host fewer, a host more)."""
         if self.standby is not None:
-            self.standby.refill(alive if alive is not None else self.cluster.alive_hosts(), self._host_env())
+            self.standby.refill(self.cluster.alive_hosts(), self._host_env())
         hosts = self._segment["hosts"] if self._segment else 0
         for n in (hosts - 1, hosts + 1):
             key = (self.fingerprint, n * self.job.hosts.devices_per_host)
@@ -521,11 +521,11 @@ class JobController:
             )
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
             extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at")}
-            if kind == "restore" and self._lost_after is not None:
+            if kind == "restore" and self._loss is not None and not self._loss["restored"]:
                 # Steps done before the loss that the group now computes again.
-                extra["recomputed"] = max(0, self._lost_after - r["step"])
+                extra["recomputed"] = max(0, self._loss["step"] - r["step"])
                 self.summary.recomputed_steps.append(extra["recomputed"])
-                self._lost_after = None
+                self._loss["restored"] = True
             self._event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
             if kind == "compile":
                 self.throughput.model_flops_per_step = r["model_flops"]
@@ -540,9 +540,9 @@ class JobController:
         """Once a group computes a step past the one reached at a loss, what the ledger charged
         meanwhile is the loss's badput, by category; its total counts detection and tear-down,
         group start, planning, compile, restore and steps computed again (`LOSS_BADPUT`)."""
-        if self._badput_at_loss is None or step <= (self._lost_after_step or 0):
+        if self._loss is None or step <= self._loss["step"]:
             return
-        before, self._badput_at_loss = self._badput_at_loss, None
+        before, self._loss = self._loss["badput"], None
         charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
         # Saves, input waits and evaluations in the window would have happened without the loss.
         total = sum(charged[k] for k in LOSS_BADPUT)
@@ -577,8 +577,8 @@ class JobController:
 
     def _on_hosts_lost(self, e: HostsLostError) -> Phase:
         detected = self.clock()
-        if self._badput_at_loss is None:  # a loss during a recovery is charged to the first
-            self._badput_at_loss = dict(self.ledger.seconds)
+        # A loss during a recovery is charged to the first: the ledger is read at the first only.
+        badput = self._loss["badput"] if self._loss else dict(self.ledger.seconds)
         # From the last report to now the group was failing, and until the next plan it is torn down.
         self.ledger.fill(self.wall(), "lost")
         self.ledger.gap = "lost"
@@ -586,7 +586,7 @@ class JobController:
         dead_nodes = [n for n in e.node_ids if n not in alive]
         injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
         self._failures += 1
-        self._lost_after = self._lost_after_step = self._done_step()
+        self._loss = {"step": self._done_step(), "badput": badput, "restored": False}
         self._event(
             "host_lost",
             step=self._done_step(),

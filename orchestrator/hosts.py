@@ -112,11 +112,11 @@ class HostActor:
 
         try:
             run_segment(spec, report, lambda: self._stop, memory=memory, ahead=self._next_ahead)
-            if memory is not None:
-                memory.close()  # the last share sent before the segment counts as done
         except BaseException:
             self._error = traceback.format_exc()
         finally:
+            if memory is not None:
+                memory.close()  # the last share sent before the segment counts as done
             self._done = True
 
     def _next_ahead(self) -> str | None:
@@ -170,9 +170,8 @@ class StandbyPool:
         self.modules = tuple(modules)
         self._idle: dict[str, ray.actor.ActorHandle] = {}  # node id -> a standby actor there
 
-    def refill(self, node_ids: Sequence[str], env_vars: dict) -> int:
-        """Start a standby actor on each of `node_ids` that has none; returns how many started."""
-        started = 0
+    def refill(self, node_ids: Sequence[str], env_vars: dict) -> None:
+        """Start a standby actor on each of `node_ids` that has none."""
         for node in node_ids:
             if node not in self._idle:
                 actor = (
@@ -184,8 +183,7 @@ class StandbyPool:
                     .remote()
                 )
                 actor.warm.remote(self.modules)
-                self._idle[node], started = actor, started + 1
-        return started
+                self._idle[node] = actor
 
     def take(self, hosts: int, alive: Sequence[str]) -> dict[str, ray.actor.ActorHandle]:
         """Up to `hosts` standby actors on live nodes (node id -> actor), out of the pool."""

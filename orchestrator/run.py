@@ -78,7 +78,7 @@ def run_job(
             cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
         stack.callback(cluster.shutdown)
         keepers = None
-        if not isinstance(cluster, _NoHosts) and job.checkpoint.memory_budget > 0:
+        if not isinstance(cluster, _NoHosts):  # keepers start only when a group asks for them
             from .snapshots import Keepers, KeepersConfig
 
             keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))

@@ -34,11 +34,10 @@ class Keeper:
         self._keep_steps, self._keep_segments = keep_steps, keep_segments
         self._held: dict[Key, tuple[dict, list[np.ndarray]]] = {}
 
-    def put(self, key: Key, index: dict, arrays: list[np.ndarray]) -> int:
+    def put(self, key: Key, index: dict, arrays: list[np.ndarray]) -> None:
         # Copied out of Ray's shared buffers, which belong to the sender: a share must outlive it.
         self._held[tuple(key)] = (index, [np.array(a) for a in arrays])
         self._prune(tuple(key))
-        return sum(a.nbytes for _, arrays in self._held.values() for a in arrays)
 
     def _prune(self, key: Key) -> None:
         segment, _, process = key

@@ -296,9 +296,9 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 class _SnapshotPace:
     """How often to take a peer snapshot: after every step whose copy to the host fits the budget
-    (a share of step time), measured as it goes: a copy (with any wait for the previous one to be
-    sent) taking `c` seconds beside steps of `t` seconds is taken every `ceil(c / (budget * t))`
-    steps. Process 0's interval is the group's (`StopAgreement`)."""
+    (a share of step time), measured as it goes: a copy (with any wait for queued sends) taking
+    `c` seconds beside steps of `t` seconds is taken every `ceil(c / (budget * t))` steps.
+    Process 0's interval is the group's (`StopAgreement`)."""
 
     def __init__(self, budget: float, memory, window: int = 5):
         self.interval = 1 if memory is not None and budget > 0 else 0  # 0: never
@@ -329,8 +329,15 @@ def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, p
     t = time.perf_counter()
     pace.index, arrays = take_snapshot(state, pace.index)
     meta = {"data_position": step, "examples_seen": examples_seen, "segment": spec.segment, "step": step}
-    memory.offer(step, pace.index, arrays, meta)  # waits while the previous one is still being sent
+    memory.offer(step, pace.index, arrays, meta)  # waits only while two earlier ones are queued
     return time.perf_counter() - t
+
+
+def _sharded(abstract, shardings):
+    """`abstract`'s shapes and dtypes carrying `shardings`: a restore's or a compile's target."""
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
 def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec: SegmentSpec, report: Report):
@@ -356,10 +363,7 @@ def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec
             fn.lower(abstract_state, abstract_batch).compile()
         if spec.digest:
             shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
-            target = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
-            )
-            compile_digest(target, lambda lowered: lowered.compile())
+            compile_digest(_sharded(abstract_state, shardings), lambda lowered: lowered.compile())
         report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": time.perf_counter() - t})
     except Exception as e:  # noqa: BLE001 (anything: the segment trains on regardless)
         report({"kind": "compile_ahead", "seconds": time.perf_counter() - t, "error": f"{type(e).__name__}: {e}"})
@@ -402,7 +406,7 @@ def run_segment(
     )
     lap("load")
 
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh)
+    target = _sharded(abstract_state, state_sh)
     step_fn = plan.jit(program.step, (abstract_state, abstract_batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
     share = lambda lowered: _compile_once(lowered, spec)
     digest_fn = _Digest(target, share, spec.digest)
@@ -439,6 +443,15 @@ def run_segment(
     seconds = 0.0  # the last step's time, read back
     waited = 0.0  # input waits since the last step was reported: charged to the lap that holds them
     copied = 0.0  # likewise, peer snapshots' copies to the host
+
+    def read_back() -> None:
+        """Report the dispatched step; its lap holds the waits and copies since the last report."""
+        nonlocal seconds, waited, copied, pending
+        seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
+        waited = copied = 0.0
+        pending = None
+        digest_fn.start()  # once a step is done: beside training, not beside a segment's first step
+
     try:
         for index in range(first, spec.steps):
             t_input = time.time()
@@ -450,9 +463,7 @@ def run_segment(
             waited += t_dispatch - t_input
             state, metrics = compiled(state, batch)
             if pending is not None:
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
-                waited = copied = 0.0
-                digest_fn.start()  # once a step is done: beside training, not beside the first step
+                read_back()
             pending = _Dispatched(index + 1, metrics, stops.snapshot_every)
             done = index + 1
             evaluated = evaluation is not None and done % evaluation.every == 0
@@ -462,15 +473,10 @@ def run_segment(
                 # evaluation needs, and an evaluation's time is its own only with the step done.
                 # Before the agreement, whose first broadcast compiles: a step is reported as
                 # soon as it is done (the first step after a recovery ends the recovery).
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
-                waited = copied = 0.0
-                pending = None
-                digest_fn.start()
+                read_back()
             stop = stops.agree(done, boundary, seconds)
             if stop is Stop.NOW and pending is not None:  # likewise, before the save of the step reached
-                seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
-                waited = copied = 0.0
-                pending = None
+                read_back()
             if evaluated:
                 _evaluate(eval_compiled, state, held_out, evaluation.batches, lap, done)
             if boundary or stop is Stop.NOW:

@@ -50,7 +50,7 @@ def fake_group_cls(world, every, now):
         return {"kind": "checkpoint", "step": step, "seconds": 0.01, "at": now()}
 
     class FakeGroup:
-        def __init__(self, hosts, config):
+        def __init__(self, hosts, config, standby=None):
             self.size = hosts
             self.node_ids = world.alive[:hosts]
             self.stop = False
@@ -58,7 +58,7 @@ def fake_group_cls(world, every, now):
             self.env = config.env_vars
             world.groups.append(self)
 
-        def start(self, spec_for):
+        def start(self, spec_for, snapshots=None):
             self.specs = [spec_for(i, "127.0.0.1:1") for i in range(self.size)]
             self.step = world.committed
             self.pending = [{"kind": "restore", "step": self.step, "seconds": 0.01, "at": now()}] if self.step else []
