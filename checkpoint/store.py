@@ -92,6 +92,11 @@ class Store:
         self._writer.wait()
 
     @property
+    def saving(self) -> bool:
+        """This process's last save is still being written: `wait` would block."""
+        return self._writer.busy
+
+    @property
     def last_save_seconds(self) -> float | None:
         return self._writer.last_seconds
 

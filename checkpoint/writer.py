@@ -135,6 +135,11 @@ class Writer:
             self._run(job)
             self.wait()
 
+    @property
+    def busy(self) -> bool:
+        """A save is being written (in the background)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
@@ -153,11 +158,17 @@ class Writer:
             except BaseException as e:  # tell process 0, so it does not commit a step missing our shards
                 failure = e
             _signal(job, "error: " + repr(failure) if failure else "ok")
-            if failure:
-                raise failure
             if jax.process_index() == 0:
-                _await_peers(job, self._timeout_ms)
-                _commit(job, partial)
+                try:
+                    if failure:
+                        raise failure
+                    _await_peers(job, self._timeout_ms)
+                    _commit(job, partial)
+                except BaseException:
+                    _discard(job, partial, self._timeout_ms)
+                    raise
+            elif failure:
+                raise failure
             self.last_seconds = time.perf_counter() - t  # written and committed; retention is extra
             if jax.process_index() == 0:
                 self._on_commit(job.step)
@@ -212,6 +223,17 @@ def _await_peers(job: Job, timeout_ms: int) -> None:
             raise RuntimeError(
                 f"process {p} failed to write its shards of step {job.step}: {status}; the step was not committed"
             )
+
+
+def _discard(job: Job, partial: str, timeout_ms: int) -> None:
+    """A save that failed on some process (a full disk, say) is never committed; once every process
+    has said it is done writing, its partial directory goes, freeing what it took."""
+    for p in range(1, jax.process_count()):
+        try:
+            _client().blocking_key_value_get(_kv_key(job, p), timeout_ms)
+        except Exception:  # noqa: BLE001 (a process that never answers: leave its leftovers to the next commit)
+            return
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def _commit(job: Job, partial: str) -> None:

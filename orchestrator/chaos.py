@@ -1,10 +1,18 @@
-"""Fault injection for tests and the demo: `--chaos lose@40,add@80,lose-in-save@50:0`.
+"""Fault injection for tests, the demo and the fault storm: `--chaos lose@40,add@80,lose-in-save@50:0`.
 
-lose@S[:H]          after step S is reported, kill host H's node (default: the last host)
-lose-in-save@S[:H]  host H hangs instead of saving checkpoint S; its node is killed mid-save
-add@S               after step S is reported, add one host to the cluster
-slow@S[:H]          from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
-                    a straggler (works on any cluster: nothing is killed)
+lose@S[:H[+H]]        after step S is reported, kill host H's node (default: the last host);
+                      `lose@S:0+2` kills hosts 0 and 2 at once
+lose-in-save@S[:H]    host H hangs instead of saving checkpoint S; its node is killed mid-save
+lose-in-start@S[:H]   host H of the first group started after step S hangs as that group starts
+lose-in-compile@S[:H] (before joining jax.distributed), compiles, or restores; its node is
+lose-in-restore@S[:H] killed there, while the rest of the group waits on it
+add@S                 after step S is reported, add one host to the cluster
+add-in-recovery@S     the first recovery from a host loss after step S gets one host added to the
+                      cluster while its new group starts
+freeze@S[:H]          after step S is reported, stop host H's process (SIGSTOP): a hung host, alive
+                      to Ray, that answers nothing
+slow@S[:H]            from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
+                      a straggler (works on any cluster: nothing is killed)
 """
 
 from __future__ import annotations
@@ -12,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-KINDS = ("lose", "lose-in-save", "add", "slow")
+PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
+KINDS = ("lose", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze", "slow")
 SLOW_INPUT_SECONDS = 0.3
 ANY_CLUSTER = ("slow",)  # kinds that need no control over the cluster's nodes
-_FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<host>\d+))?$")
+_FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?$")
+_NO_HOST = ("add", "add-in-recovery")
 
 
 class ChaosSpecError(ValueError):
@@ -26,7 +36,22 @@ class ChaosSpecError(ValueError):
 class Fault:
     kind: str
     step: int
-    host: int | None = None  # index within the running group; None means the last host
+    hosts: tuple[int, ...] = ()  # indices within the running group; () means the last host
+
+    def host_in(self, size: int) -> int:
+        """The one host this fault names, in a group of `size` hosts (one beyond it: the last)."""
+        return self.hosts_in(size)[0]
+
+    def hosts_in(self, size: int) -> list[int]:
+        return sorted({min(h, size - 1) for h in self.hosts}) if self.hosts else [size - 1]
+
+    @property
+    def phase(self) -> str | None:
+        """For `lose-in-<phase>`: the phase (save, start, compile, restore) the host hangs in."""
+        return self.kind.removeprefix("lose-in-") if self.kind.startswith("lose-in-") else None
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}" + (":" + "+".join(map(str, self.hosts)) if self.hosts else "")
 
 
 def parse_chaos(text: str | None) -> tuple[Fault, ...]:
@@ -37,12 +62,17 @@ def parse_chaos(text: str | None) -> tuple[Fault, ...]:
         m = _FAULT.match(item.strip())
         if not m or m["kind"] not in KINDS:
             raise ChaosSpecError(
-                f"bad fault {item.strip()!r}: expected KIND@STEP[:HOST] with KIND one of {KINDS}, "
+                f"bad fault {item.strip()!r}: expected KIND@STEP[:HOST[+HOST]] with KIND one of {KINDS}, "
                 "e.g. lose@40,add@80 or lose-in-save@50:0"
             )
-        if m["kind"] == "add" and m["host"] is not None:
-            raise ChaosSpecError(f"bad fault {item.strip()!r}: add@STEP takes no host")
-        faults.append(Fault(m["kind"], int(m["step"]), int(m["host"]) if m["host"] is not None else None))
+        hosts = tuple(int(h) for h in m["hosts"].split("+")) if m["hosts"] else ()
+        if hosts and m["kind"] in _NO_HOST:
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: {m['kind']}@STEP takes no host")
+        if len(hosts) > 1 and m["kind"] != "lose":
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: only lose@STEP takes several hosts (H+H)")
+        if len(set(hosts)) != len(hosts):
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: a host is named twice")
+        faults.append(Fault(m["kind"], int(m["step"]), hosts))
     return tuple(sorted(faults, key=lambda f: f.step))
 
 
@@ -53,18 +83,32 @@ class ChaosInjector:
         self._pending = list(faults)
 
     def due(self, completed_step: int) -> list[Fault]:
-        """`lose` and `add` faults whose step has been reached (each fires once)."""
-        fired = [f for f in self._pending if f.kind in ("lose", "add") and f.step <= completed_step]
+        """`lose`, `add` and `freeze` faults whose step has been reached (each fires once)."""
+        fired = [f for f in self._pending if f.kind in ("lose", "add", "freeze") and f.step <= completed_step]
         self._pending = [f for f in self._pending if f not in fired]
         return fired
 
-    def save_faults(self) -> list[Fault]:
-        """`lose-in-save` faults still to fire; they ride in the next segment's spec."""
-        return [f for f in self._pending if f.kind == "lose-in-save"]
+    def hangs(self, completed_step: int) -> list[Fault]:
+        """`lose-in-<phase>` faults a group started now carries (they fire when the host reports
+        that it hangs): every save fault still to fire, and start, compile and restore faults whose
+        step is reached."""
+        return [f for f in self._pending if f.phase == "save" or (f.phase in PHASES and f.step <= completed_step)]
+
+    def hung(self, phase: str, step: int) -> Fault:
+        """The fault a host that reports hanging in `phase` (at `step`, for a save) carries out."""
+        fault = next(f for f in self._pending if f.phase == phase and (phase != "save" or f.step == step))
+        self.fired(fault)
+        return fault
+
+    def recovery_adds(self, completed_step: int) -> list[Fault]:
+        """`add-in-recovery` faults due in a recovery from a loss after `completed_step`."""
+        fired = [f for f in self._pending if f.kind == "add-in-recovery" and f.step <= completed_step]
+        self._pending = [f for f in self._pending if f not in fired]
+        return fired
 
     def slow_hosts(self) -> dict[int | None, int]:
         """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
-        return {f.host: f.step for f in self._pending if f.kind == "slow"}
+        return {(f.hosts[0] if f.hosts else None): f.step for f in self._pending if f.kind == "slow"}
 
     def fired(self, fault: Fault) -> None:
         self._pending = [f for f in self._pending if f != fault]

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import signal
 import tempfile
 import warnings
 
@@ -93,6 +94,11 @@ class LocalCluster:
         if node is None:
             raise KeyError(f"no live emulated host with node id {node_id}")
         self._cluster.remove_node(node, allow_graceful=False)
+
+    def freeze_process(self, pid: int) -> None:
+        """A hung host: stop a host's process (SIGSTOP), leaving its node alive to Ray. The
+        emulated hosts' processes are this machine's."""
+        os.kill(pid, signal.SIGSTOP)
 
     def add_host(self) -> None:
         """Start one more host (Ray starts a node's daemons from the main thread only; the

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from . import policies
-from .chaos import ChaosInjector, Fault
+from .chaos import PHASES, ChaosInjector, Fault
 from .goodput import REPORT_CATEGORY, USEFUL, Ledger, Throughput
 from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
 from .jobfile import JobSpec
@@ -126,7 +126,7 @@ class JobController:
         self._plan = None
         self._group: HostGroup | None = None
         self._segment: dict | None = None
-        self._failures = 0
+        self._failures = 0  # in a row: reset once a group gets past the step the last loss reached
         self._recovering_since: float | None = None  # loss detected at, until the first new step
         self._snapshot_every = 0  # the group's peer snapshot interval, as its last step reported it
         # A host loss being recovered from: the step reached, the ledger then, and whether the
@@ -296,12 +296,24 @@ class JobController:
             self._target = None
             return Phase.PLANNING
         spawn = self.clock() - t
-        freeze = {f.host if f.host is not None else hosts - 1: f.step for f in self.chaos.save_faults()}
+        hangs = self.chaos.hangs(self._done_step())
+        freeze = {f.host_in(hosts): f.step for f in hangs if f.phase == "save"}
+        # A host carrying several phase faults hangs in the first of those phases it reaches.
+        phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.chaos.slow_hosts().items()}
         plan_json = self._plan.to_json()
-        spec_for = lambda i, coordinator: self._spec(i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i))
+        spec_for = lambda i, coordinator: self._spec(
+            i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i), phase.get(i)
+        )
         snapshots = self._snapshot_plans()
-        self._group.start(spec_for, snapshots)
+        try:
+            self._group.start(spec_for, snapshots)
+        except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss
+            return self._on_hosts_lost(e)
+        if self._loss is not None:  # a recovery: a host that joins now arrives in the middle of it
+            for fault in self.chaos.recovery_adds(self._loss["step"]):
+                self.print(f"chaos {fault}: adding a host while the new group starts")
+                self.cluster.add_host()
         self._segment = {
             "mesh": dict(self._plan.mesh),
             "hosts": hosts,
@@ -371,7 +383,14 @@ class JobController:
         return self.snapshots.plans(self._group.node_ids, len(self.summary.segments), restore)
 
     def _spec(
-        self, process_id: int, coordinator: str, hosts: int, plan_json: str, freeze: int | None, slow: int | None = None
+        self,
+        process_id: int,
+        coordinator: str,
+        hosts: int,
+        plan_json: str,
+        freeze: int | None,
+        slow: int | None = None,
+        freeze_in: str | None = None,
     ) -> SegmentSpec:
         job = self.job
         return SegmentSpec(
@@ -386,6 +405,7 @@ class JobController:
             process_id=process_id,
             segment=len(self.summary.segments),
             freeze_before_save=freeze,
+            freeze_in=freeze_in,
             slow_input_from=slow,
             compilation_cache=self.config.compilation_cache,
             fingerprint=self.fingerprint,
@@ -479,9 +499,7 @@ class JobController:
     def _on_report(self, host: int, r: dict, speaker: int = 0) -> None:
         kind, now = r["kind"], self._now()
         if kind == "chaos_frozen":  # whichever host froze is the one to kill
-            fault = next(f for f in self.chaos.save_faults() if f.step == r["step"])
-            self.chaos.fired(fault)
-            self._kill(host, f"lose-in-save@{r['step']}")
+            self._kill(host, str(self.chaos.hung(r["phase"], r.get("step"))))
             return
         if kind == "step":
             self.recorder.step(host, len(self.summary.segments), r, speaker=host == speaker)
@@ -514,6 +532,12 @@ class JobController:
             self.print(f"      compiling ahead for {r.get('devices', '?')} devices {what}")
         elif kind == "snapshot_unusable":
             self.print(f"      the snapshot in host memory is unusable ({r['error'][:200]}); restoring from disk")
+        elif kind == "checkpoint_failed":
+            self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"], newest=r["newest"])
+            self.print(
+                f"warn  checkpoint step {r['step']} was not saved ({r['error'][:200]}); the newest commit "
+                f"stays step {r['newest']}, and training goes on"
+            )
         elif kind == "checkpoint_corrupt":
             self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
             self.print(
@@ -521,11 +545,13 @@ class JobController:
             )
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
             extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at")}
-            if kind == "restore" and self._loss is not None and not self._loss["restored"]:
-                # Steps done before the loss that the group now computes again.
-                extra["recomputed"] = max(0, self._loss["step"] - r["step"])
-                self.summary.recomputed_steps.append(extra["recomputed"])
-                self._loss["restored"] = True
+            if kind == "restore":
+                extra["committed"] = self.committed()  # nothing committed is lost: step >= this
+                if self._loss is not None and not self._loss["restored"]:
+                    # Steps done before the loss that the group now computes again.
+                    extra["recomputed"] = max(0, self._loss["step"] - r["step"])
+                    self.summary.recomputed_steps.append(extra["recomputed"])
+                    self._loss["restored"] = True
             self._event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
             if kind == "compile":
                 self.throughput.model_flops_per_step = r["model_flops"]
@@ -543,6 +569,7 @@ class JobController:
         if self._loss is None or step <= self._loss["step"]:
             return
         before, self._loss = self._loss["badput"], None
+        self._failures = 0
         charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
         # Saves, input waits and evaluations in the window would have happened without the loss.
         total = sum(charged[k] for k in LOSS_BADPUT)
@@ -584,7 +611,7 @@ class JobController:
         self.ledger.gap = "lost"
         alive = set(self.cluster.alive_hosts())
         dead_nodes = [n for n in e.node_ids if n not in alive]
-        injected = [self._injected.pop(n) for n in dead_nodes if n in self._injected]
+        injected = [self._injected.pop(n) for n in e.node_ids if n in self._injected]
         self._failures += 1
         self._loss = {"step": self._done_step(), "badput": badput, "restored": False}
         self._event(
@@ -605,7 +632,7 @@ class JobController:
                 hosts_lost=len(dead_nodes),
                 processes_lost=len(e.indices) - len(dead_nodes),
                 hosts_alive=len(alive),
-                failures_so_far=self._failures - 1,
+                failures_in_a_row=self._failures - 1,
             )
         )
         if isinstance(decision, policies.Fail):
@@ -618,17 +645,26 @@ class JobController:
     def _inject_due_faults(self) -> None:
         for fault in self.chaos.due(self._done_step()):
             if fault.kind == "lose":
-                host = fault.host if fault.host is not None else self._group.size - 1
-                self._kill(host, f"lose@{fault.step}")
+                for host in fault.hosts_in(self._group.size):
+                    self._kill(host, str(fault))
+            elif fault.kind == "freeze":
+                host = fault.host_in(self._group.size)
+                node = self._group.node_ids[host]
+                self.print(f"chaos {fault}: stopping host {host}'s process (node {node[:8]}, SIGSTOP)")
+                self._injected[node] = self.clock()
+                self.cluster.freeze_process(self._group.places[host]["pid"])
             elif fault.kind == "add":
-                self.print(f"chaos add@{fault.step}: adding a host")
+                self.print(f"chaos {fault}: adding a host")
                 self.cluster.add_host()
 
     def _kill(self, host: int, why: str) -> None:
         node = self._group.node_ids[host]
         self.print(f"chaos {why}: killing host {host} (node {node[:8]})")
         self._injected[node] = self.clock()
-        self.cluster.kill_host(node)
+        try:
+            self.cluster.kill_host(node)
+        except KeyError:  # gone already: a loss not yet seen
+            self.print(f"      host {host} (node {node[:8]}) is gone already")
 
     def _maybe_grow(self) -> None:
         if self._stopping or self.clock() - self._last_host_check < self.config.host_check_interval_s:
@@ -655,6 +691,10 @@ class JobController:
         if self._group is not None:
             self._group.shutdown()
             self._group = None
+
+
+def _phase_order(fault: Fault) -> int:
+    return PHASES.index(fault.phase) if fault.phase in PHASES else len(PHASES)
 
 
 def program_fingerprint(ref: str, abstract_state, abstract_batch) -> str:

@@ -85,6 +85,12 @@ def check_digestible(abstract_state: Any) -> None:
 
 def digest(compiled, state: Any) -> str:
     """Hex digest of `state`: its leaves' paths, shapes, dtypes and the device sums."""
+    return digest_later(compiled, state)()
+
+
+def digest_later(compiled, state: Any) -> Callable[[], str]:
+    """Dispatch `state`'s digest now (the device reads the state before any later step donates
+    it); the function returned waits for the sums and gives `digest`'s hex string."""
     import jax
     import numpy as np
 
@@ -94,8 +100,13 @@ def digest(compiled, state: Any) -> str:
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         h.update(f"{leaf_path(path)}:{leaf.shape}:{leaf.dtype};".encode())
-    h.update(np.asarray(sums.addressable_data(0)).tobytes())
-    return KIND + h.hexdigest()
+
+    def finish() -> str:
+        done = h.copy()
+        done.update(np.asarray(sums.addressable_data(0)).tobytes())
+        return KIND + done.hexdigest()
+
+    return finish
 
 
 KIND = "sum32x2:"  # digests saved by earlier versions (a SHA-256 of the gathered state) are not compared

@@ -148,8 +148,10 @@ class HostGroupConfig:
     env_vars: dict = dataclasses.field(default_factory=dict)  # the host actors' environment
     schedule_timeout_s: float = 60.0
     # A poll unanswered this long counts as a lost host. Dead actors are reported by Ray within a
-    # second; this only catches a host that hangs, so it can be generous.
-    poll_timeout_s: float = 30.0
+    # second; this catches a host that hangs (stopped, swapping, a wedged driver). A host process
+    # answers from a thread of its own, and JAX releases the GIL while it compiles or waits in
+    # a collective, so a live host answers within milliseconds even while a group forms.
+    poll_timeout_s: float = 10.0
 
 
 def _actor_cls():
@@ -251,38 +253,45 @@ class HostGroup:
         return f"{self.places[0]['ip']}:{self.places[0]['port']}"
 
     def start(self, spec_for: Callable[[int, str], SegmentSpec], snapshots: Sequence | None = None) -> None:
-        """`snapshots`: one `snapshots.HostSnapshots` per host, or None (no peer snapshots)."""
-        ray.get(
-            [
-                a.start.remote(spec_for(i, self.coordinator).to_json(), snapshots[i] if snapshots else None)
-                for i, a in enumerate(self.actors)
-            ]
-        )
+        """`snapshots`: one `snapshots.HostSnapshots` per host, or None (no peer snapshots).
+        Raises HostsLostError if a host died since the group was made (its node killed before
+        Ray noticed, say)."""
+        refs = [
+            a.start.remote(spec_for(i, self.coordinator).to_json(), snapshots[i] if snapshots else None)
+            for i, a in enumerate(self.actors)
+        ]
+        self._answers(refs, "as the group started")
 
     def poll(self) -> list[HostStatus]:
-        refs = [a.poll.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.poll_timeout_s)
-        answered, lost, details = [], [], []  # answered: (host index, status)
-        for i, ref in enumerate(refs):
-            if ref not in ready:
-                lost.append(i)
-                details.append(f"host {i} did not answer within {self.config.poll_timeout_s:.0f} s")
-                continue
-            try:
-                answered.append((i, ray.get(ref)))
-            except ray.exceptions.RayActorError as e:
-                lost.append(i)
-                details.append(f"host {i}: {type(e).__name__}")
-        if lost:
-            raise HostsLostError(lost, [self.node_ids[i] for i in lost], "; ".join(details), answered)
+        answered = self._answers([a.poll.remote() for a in self.actors], "")
         statuses = [s for _, s in answered]
         for i, s in enumerate(statuses):
             if s.error:
                 raise SegmentFailedError(f"host {i} failed:\n{s.error}")
         return statuses
 
+    def _answers(self, refs: list, when: str) -> list[tuple[int, object]]:
+        """(host index, answer) of every host, waiting at most `poll_timeout_s` for all; raises
+        HostsLostError (with what the others answered) if a host died or did not answer."""
+        timeout = self.config.poll_timeout_s
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        answered, lost, details = [], [], []
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                lost.append(i)
+                details.append(f"host {i} did not answer within {timeout:.0f} s {when}".rstrip())
+                continue
+            try:
+                answered.append((i, ray.get(ref)))
+            except ray.exceptions.RayActorError as e:
+                lost.append(i)
+                details.append(f"host {i}: {type(e).__name__} {when}".rstrip())
+        if lost:
+            raise HostsLostError(lost, [self.node_ids[i] for i in lost], "; ".join(details), answered)
+        return answered
+
     def compile_ahead(self, plan_json: str) -> None:
-        """Have process 0 compile a smaller mesh's plan into the persistent cache (worker._compile_ahead)."""
+        """Have process 0 compile a smaller mesh's plan beside training (worker._compile_ahead)."""
         self.actors[0].compile_ahead.remote(plan_json)
 
     def request_stop(self, now: bool = False) -> None:

@@ -43,7 +43,7 @@ class Failure:
     hosts_lost: int  # hosts whose node is dead
     processes_lost: int  # actors that died while their node lives on
     hosts_alive: int  # hosts the cluster offers now
-    failures_so_far: int
+    failures_in_a_row: int  # earlier failures since the job last got past the step it had reached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,8 @@ class ScalingPolicy:
 class FailurePolicy:
     min_hosts: int
     max_hosts: int
+    # Failures in a row, with no step gained between them: a crash loop. A long job on many hosts
+    # sees failures all along; only failures that stop it from getting anywhere end it.
     max_failures: int = 10
     max_stalled_segments: int = 3  # segments in a row that end without completing a step
 
@@ -83,8 +85,11 @@ class FailurePolicy:
         return Continue()
 
     def on_failure(self, failure: Failure) -> Resize | Restart | Fail:
-        if failure.failures_so_far >= self.max_failures:
-            return Fail(f"{failure.failures_so_far} failures, more than max_failures={self.max_failures}")
+        if failure.failures_in_a_row >= self.max_failures:
+            return Fail(
+                f"{failure.failures_in_a_row + 1} failures in a row, no step gained between them "
+                f"(more than max_failures={self.max_failures})"
+            )
         available = min(failure.hosts_alive, self.max_hosts)
         if available < self.min_hosts:
             return Fail(f"{failure.hosts_alive} hosts left, the job needs at least {self.min_hosts} (hosts.min)")

@@ -102,7 +102,7 @@ class PeerSnapshots:
         self.last_sent: int | None = None  # the newest step every keeper acknowledged
         self.failed = 0  # sends a keeper did not acknowledge (its host gone, say)
 
-    def offer(self, step: int, index: dict, arrays: list[np.ndarray], meta: dict) -> None:
+    def offer(self, step: int, index: dict, arrays: list[np.ndarray], meta: dict, digest=None) -> None:
         """Send this process's share of `step` in the background, after the ones before it. Every
         process sends the same steps (a step is restorable only if all its shares arrive), so a
         share is never dropped: with two already waiting, this waits for the oldest, which keeps
@@ -111,11 +111,13 @@ class PeerSnapshots:
             self._sending.popleft()
         if len(self._sending) >= 2:
             self._sending.popleft().result()
-        self._sending.append(self._pool.submit(self._send, step, index, arrays, meta))
+        self._sending.append(self._pool.submit(self._send, step, index, arrays, meta, digest))
 
-    def _send(self, step: int, index: dict, arrays: list[np.ndarray], meta: dict) -> None:
+    def _send(self, step: int, index: dict, arrays: list[np.ndarray], meta: dict, digest) -> None:
+        """`digest`: a function that waits for the state's digest (`digest.digest_later`), or None."""
         from checkpoint import seal_snapshot
 
+        meta = {**meta, "digest": digest()} if digest is not None else meta
         index = {**seal_snapshot(index, arrays), "meta": meta, "processes": self.plan.processes}
         key = (self.plan.segment, step, self.plan.process)
         refs = [k.put.remote(key, index, arrays) for k in self.plan.keepers]

@@ -17,6 +17,7 @@ EVENT_KINDS = (
     "compile",
     "group_start",
     "checkpoint_corrupt",
+    "checkpoint_failed",
     "eval",
     "compile_ahead",
 )

@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import json
 import math
 import statistics
@@ -27,7 +28,7 @@ from typing import Any
 from .chaos import SLOW_INPUT_SECONDS
 from .data import DataPosition
 from .digest import KIND as DIGEST_KIND
-from .digest import compile_digest, digest
+from .digest import compile_digest, digest, digest_later
 from .jobfile import CheckpointSpec
 
 Report = Callable[[dict], None]
@@ -35,6 +36,13 @@ Report = Callable[[dict], None]
 
 class RestoredStateMismatchError(ValueError):
     """A restored state differs from the state that was saved."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saves failed `MAX_FAILED_SAVES` times in a row: training on would risk more than it keeps."""
+
+
+MAX_FAILED_SAVES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,7 @@ class SegmentSpec:
     segment: int = 0
     digest: bool = True  # record a digest of the state at every save, check it at restore (digest.py)
     freeze_before_save: int | None = None  # fault injection: hang instead of saving this step
+    freeze_in: str | None = None  # fault injection: hang as this phase begins (chaos.PHASES)
     slow_input_from: int | None = None  # fault injection: a straggler's slow input from this step on
     compilation_cache: str | None = None
     fingerprint: str = ""  # of the program and its abstract inputs; saved with every checkpoint
@@ -224,6 +233,10 @@ class _Digest:
         self.start()
         return self._future.result() if self._future else None
 
+    def ready(self) -> bool:
+        """Compiled already: `get` returns without waiting."""
+        return self._future is not None and self._future.done() and self._future.exception() is None
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -318,9 +331,10 @@ class _SnapshotPace:
         self.interval = max(1, math.ceil(copy / (self._budget * step)))
 
 
-def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, pace: _SnapshotPace) -> float:
+def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, pace: _SnapshotPace, digest_fn) -> float:
     """Copy this process's shards of the state after `step` to the host and hand them to `memory`
-    (sent in the background); returns the seconds the copy held the training loop."""
+    (sent in the background); returns the seconds the copy held the training loop. With the
+    state's digest once its program is compiled (never waited for here): a restore checks it."""
     import jax
 
     from checkpoint import take_snapshot
@@ -329,7 +343,9 @@ def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, p
     t = time.perf_counter()
     pace.index, arrays = take_snapshot(state, pace.index)
     meta = {"data_position": step, "examples_seen": examples_seen, "segment": spec.segment, "step": step}
-    memory.offer(step, pace.index, arrays, meta)  # waits only while two earlier ones are queued
+    # The digest is dispatched now and read by the send thread: the loop does not wait for it.
+    later = digest_later(digest_fn.get(), state) if digest_fn.ready() else None
+    memory.offer(step, pace.index, arrays, meta, later)  # waits only while two earlier ones are queued
     return time.perf_counter() - t
 
 
@@ -364,7 +380,8 @@ def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec
         if spec.digest:
             shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
             compile_digest(_sharded(abstract_state, shardings), lambda lowered: lowered.compile())
-        report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": time.perf_counter() - t})
+        seconds = time.perf_counter() - t
+        report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": seconds})
     except Exception as e:  # noqa: BLE001 (anything: the segment trains on regardless)
         report({"kind": "compile_ahead", "seconds": time.perf_counter() - t, "error": f"{type(e).__name__}: {e}"})
 
@@ -379,8 +396,8 @@ def run_segment(
     """Train one segment. `memory`: where peer snapshots go and the one to restore comes from
     (`snapshots.PeerSnapshots`, or anything with its `offer` and `restore_step`); None
     where there is none (a plain process without Ray). `ahead`: a plan (JSON) for a smaller mesh
-    to compile into the persistent cache beside training (`_compile_ahead`), or None; asked
-    between steps, on process 0 only."""
+    to compile beside training (`_compile_ahead`), or None; asked between steps, on process 0
+    only."""
     import jax
 
     from checkpoint import StoreConfig
@@ -389,6 +406,7 @@ def run_segment(
     from .program import JobSettings, abstract_inputs, load_program
 
     lap = _Laps(report)
+    _maybe_hang(spec, "start", report)
     start_group(spec)
     lap("group_start", devices=jax.device_count())
 
@@ -410,6 +428,9 @@ def run_segment(
     step_fn = plan.jit(program.step, (abstract_state, abstract_batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
     share = lambda lowered: _compile_once(lowered, spec)
     digest_fn = _Digest(target, share, spec.digest)
+    if memory is not None and spec.segment > 0:
+        digest_fn.start()  # a group after the first likely restores a snapshot: beside the step's compile
+    _maybe_hang(spec, "compile", report)
     compiled = share(step_fn.lower(abstract_state, abstract_batch))
     evaluation = program.evaluation
     if evaluation is not None:
@@ -418,6 +439,7 @@ def run_segment(
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", **flops)
 
+    _maybe_hang(spec, "restore", report)
     state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
@@ -431,6 +453,7 @@ def run_segment(
     peak = plan.devices_used * profile(spec.hardware).peak_flops
     done = first
     pace = _SnapshotPace(spec.checkpoint.memory_budget, memory)
+    saves = _Saves(store, report, spec.checkpoint.dir)
     stops = StopAgreement(should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval)
     # The next step's batch is read and laid out on the devices while this step runs; the time
     # a step waits for it is its input time.
@@ -468,19 +491,23 @@ def run_segment(
             done = index + 1
             evaluated = evaluation is not None and done % evaluation.every == 0
             boundary = done % spec.checkpoint.every == 0 or done == spec.steps
-            if evaluated or boundary:
+            if evaluated or boundary or done == first + 1:
                 # Read back now: the next step would donate the state that a save or an
                 # evaluation needs, and an evaluation's time is its own only with the step done.
                 # Before the agreement, whose first broadcast compiles: a step is reported as
-                # soon as it is done (the first step after a recovery ends the recovery).
+                # soon as it is done. A segment's first step likewise: it ends a recovery, which
+                # is over once that step is done, not once the next one is dispatched.
                 read_back()
             stop = stops.agree(done, boundary, seconds)
             if stop is Stop.NOW and pending is not None:  # likewise, before the save of the step reached
                 read_back()
             if evaluated:
                 _evaluate(eval_compiled, state, held_out, evaluation.batches, lap, done)
+            if saves.saving is not None and not store.saving:
+                saves.settle()  # a save that failed is reported as soon as it has, not at the next
             if boundary or stop is Stop.NOW:
-                _save(store, state, plan, digest_fn, done, position.example_index(done), spec, report)
+                args = (store, state, plan, digest_fn, done, position.example_index(done), spec, report)
+                saves.save(done, functools.partial(_save, *args))
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
                 break
@@ -489,16 +516,60 @@ def run_segment(
                 args = (next_plan, program, abstract_state, abstract_batch, spec, report)
                 threading.Thread(target=_compile_ahead, args=args, daemon=True, name="remesh-ahead").start()
             if done < spec.steps and stops.snapshot_every and done % stops.snapshot_every == 0:
-                copy = _snapshot(memory, state, done, position.example_index(done), spec, pace)
+                copy = _snapshot(memory, state, done, position.example_index(done), spec, pace, digest_fn)
                 pace.took(copy, seconds)
                 copied += copy
     finally:
         prefetch.shutdown(wait=True, cancel_futures=True)
         digest_fn.close()
-    store.wait()
+    saves.settle()
     lap("checkpoint_flush", step=done)
     store.close()
     return {"last_step": done}
+
+
+class _Saves:
+    """The save in flight, settled before the next one begins. A save that failed (a full disk,
+    a lost mount) is reported and training goes on: nothing committed is touched, peer snapshots
+    still cover a host loss, and the next boundary saves again. `MAX_FAILED_SAVES` in a row end
+    the segment with what to do."""
+
+    def __init__(self, store, report: Report, directory: str):
+        self.store, self.report, self.directory = store, report, directory
+        self.saving: int | None = None  # the step whose save is in flight
+        self.failed: list[str] = []  # saves failed in a row
+
+    def save(self, step: int, save: Callable[[], None]) -> None:
+        """Settle the save in flight, then begin `step`'s (`save()`)."""
+        self.settle()
+        try:
+            save()
+        except OSError as e:  # the directory itself refused (writes fail later, in `settle`)
+            self._failed(step, e)
+            return
+        self.saving = step
+
+    def settle(self) -> None:
+        saving, self.saving = self.saving, None
+        if saving is None:
+            return  # nothing in flight (already settled)
+        try:
+            self.store.wait()
+        except Exception as e:  # noqa: BLE001 (whatever the disk raised: it is reported, and bounded)
+            self._failed(saving, e)
+        else:
+            self.failed.clear()
+
+    def _failed(self, saving: int, e: Exception) -> None:
+        self.failed.append(f"{type(e).__name__}: {e}")
+        newest = self.store.latest()
+        self.report({"kind": "checkpoint_failed", "step": saving, "error": self.failed[-1][:2000], "newest": newest})
+        if len(self.failed) >= MAX_FAILED_SAVES:
+            raise CheckpointSaveError(
+                f"{len(self.failed)} checkpoint saves in a row failed (the last, of step {saving}: "
+                f"{self.failed[-1][:500]}); the newest committed step in {self.directory} is {newest}. "
+                "Free space there or point checkpoint.dir elsewhere, then run the job again: it resumes from it"
+            ) from e
 
 
 def step_flops(fn, abstract_args, compiled=None, *, model_flops: float | None = None) -> dict:
@@ -540,7 +611,7 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
 
     from checkpoint import CheckpointCorruptError, CheckpointFormatError
 
-    restored = _restore_snapshot(memory, target, lap)
+    restored = _restore_snapshot(memory, target, digest_fn, lap)
     if restored is not None:
         return restored
     committed = store.steps()
@@ -548,7 +619,7 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
         try:
             state = store.restore(step, target=target)
             meta = store.last_restore.meta
-            event = _check_digest(digest_fn, state, meta, step, spec)
+            event = _check_digest(digest_fn, state, meta, step, spec.checkpoint.dir)
             error = None
         except (CheckpointCorruptError, CheckpointFormatError, RestoredStateMismatchError) as e:
             error = e
@@ -572,9 +643,10 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
     return state, 0, 0
 
 
-def _restore_snapshot(memory, target, lap: _Laps):
+def _restore_snapshot(memory, target, digest_fn: _Digest, lap: _Laps):
     """(state, first step, first example) from the peer snapshot in `memory`, if every process
-    reads its pieces intact (crc32 of each); None, on every process alike, otherwise."""
+    reads its pieces intact (crc32 of each) and the state they make up has the digest taken with
+    the snapshot; None, on every process alike, otherwise."""
     from checkpoint import CheckpointCorruptError, CheckpointNotFoundError, restore_step
 
     if memory is None:
@@ -585,24 +657,25 @@ def _restore_snapshot(memory, target, lap: _Laps):
         if source is None:  # the same on every process: the controller gives all or none a snapshot
             return None
         state, stats = restore_step(source, target)
-    except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+        event = _check_digest(digest_fn, state, source.meta, source.step, "a peer snapshot in host memory")
+    except (CheckpointCorruptError, CheckpointNotFoundError, RestoredStateMismatchError) as e:
         error = e
     if not _all_agree(error is None):
         lap("snapshot_unusable", error=str(error) if error else "unusable on another host")
         return None
-    lap("restore", step=source.step, source="memory", bytes_read=0, bytes_needed=stats.bytes_needed)
+    lap("restore", step=source.step, source="memory", bytes_read=0, bytes_needed=stats.bytes_needed, **event)
     meta = source.meta
     return state, int(meta["data_position"]), int(meta["examples_seen"])
 
 
-def _check_digest(digest_fn: _Digest, state, meta: dict, step: int, spec: SegmentSpec) -> dict:
+def _check_digest(digest_fn: _Digest, state, meta: dict, step: int, where: str) -> dict:
     if not digest_fn.enabled or not str(meta.get("digest", "")).startswith(DIGEST_KIND):
         return {}
     event = {"digest": digest(digest_fn.get(), state), "saved_digest": meta["digest"]}
     if event["digest"] != event["saved_digest"]:
         raise RestoredStateMismatchError(
-            f"the state restored from step {step} in {spec.checkpoint.dir} does not match the digest saved "
-            f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): the checkpoint is corrupt"
+            f"the state restored from step {step} in {where} does not match the digest saved "
+            f"with it (saved {meta['digest'][:12]}, restored {event['digest'][:12]}): it is corrupt"
         )
     return event
 
@@ -624,8 +697,7 @@ def _save(
         # Fault injection: the previous checkpoint is complete, this one is begun by the other
         # hosts and never finished by this one; hang here until the controller kills the host.
         store.wait()
-        report({"kind": "chaos_frozen", "step": step})
-        threading.Event().wait()
+        _hang("save", report, step)
     meta = {
         "data_position": step,
         "examples_seen": examples_seen,  # where the next step's examples begin in the data's global order
@@ -640,6 +712,17 @@ def _save(
     if digest_fn.enabled:
         meta["digest"] = digest(digest_fn.get(), state)
     store.save(step, state, plan=plan, meta=meta)
+
+
+def _maybe_hang(spec: SegmentSpec, phase: str, report: Report) -> None:
+    if spec.freeze_in == phase:
+        _hang(phase, report)
+
+
+def _hang(phase: str, report: Report, step: int | None = None) -> None:
+    """Fault injection: say so, then hang until the controller kills this host."""
+    report({"kind": "chaos_frozen", "phase": phase, "step": step})
+    threading.Event().wait()
 
 
 def _batches(program, position, shardings, shapes):

@@ -133,7 +133,8 @@ class HeldHere:
         self.restore = None  # the step to restore, as the controller would choose it
         self.damaged = False  # a bit of the first piece flips on its way back
 
-    def offer(self, step, index, arrays, meta):
+    def offer(self, step, index, arrays, meta, digest=None):
+        meta = {**meta, "digest": digest()} if digest else meta  # as PeerSnapshots' send thread does
         self.shares[step] = (index, arrays, meta)  # sealed when read: a keeper seals off the loop too
 
     def restore_step(self):
@@ -178,6 +179,7 @@ def test_the_worker_resumes_from_a_snapshot_on_another_mesh_between_checkpoints(
     run_segment(spec(tmp_path / "a", 4, 16), second.append, memory=memory)
     restore = next(r for r in second if r["kind"] == "restore")
     assert restore["source"] == "memory" and restore["step"] == newest
+    assert restore["digest"] == restore["saved_digest"]  # the resharded state is bitwise the one taken
     got = {r["step"]: r["loss"] for r in second if r["kind"] == "step"}
     assert sorted(got) == list(range(newest + 1, 17))
     run_segment(spec(tmp_path / "b", 8, 16), whole.append)
@@ -198,3 +200,20 @@ def test_a_damaged_snapshot_falls_back_to_the_newest_commit(tmp_path, devices8):
     restore = next(r for r in reports if r["kind"] == "restore")
     assert restore["source"] == "disk" and restore["step"] == 10
     assert [r["step"] for r in reports if r["kind"] == "step"] == [11, 12, 13, 14]
+
+
+def test_a_snapshot_whose_state_does_not_match_its_digest_falls_back_to_the_newest_commit(tmp_path, devices8):
+    from test_worker import spec
+
+    from orchestrator.digest import KIND
+
+    memory = HeldHere()
+    memory.restore = newest = trained_then_lost(tmp_path, memory)
+    _, arrays, meta = memory.shares[newest]
+    assert meta["digest"].startswith(KIND)  # taken after the step-5 save compiled the digest program
+    arrays[0].reshape(-1).view(np.uint8)[0] ^= 1  # changed before its crc32s are made: only the digest tells
+    reports = []
+    run_segment(spec(tmp_path, 4, 14), reports.append, memory=memory)
+    assert "does not match the digest" in next(r for r in reports if r["kind"] == "snapshot_unusable")["error"]
+    restore = next(r for r in reports if r["kind"] == "restore")
+    assert restore["source"] == "disk" and restore["step"] == 10 and restore["digest"] == restore["saved_digest"]

@@ -11,7 +11,7 @@ from checkpoint.layout import manifest_checksum
 from orchestrator import check_program
 from orchestrator.digest import KIND as DIGEST_KIND
 from orchestrator.jobfile import CheckpointSpec
-from orchestrator.worker import SegmentSpec, run_segment
+from orchestrator.worker import CheckpointSaveError, SegmentSpec, run_segment
 
 pytestmark = pytest.mark.fake_devices
 
@@ -124,3 +124,30 @@ def test_a_flax_nnx_state_with_typed_keys_saves_and_resumes_on_another_mesh(tmp_
     steps = [r for r in first + second if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert all(set(r["metrics"]) == {"grad_norm"} and r["metrics"]["grad_norm"] > 0 for r in steps)
+
+
+def test_a_failed_save_is_reported_training_goes_on_and_three_in_a_row_end_the_segment(tmp_path, devices8):
+    import dataclasses
+
+    s = spec(tmp_path, 8, 12)  # saves at 5, 10 and 12
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("a file where the checkpoint directory goes: every write under it fails")
+    reports = []
+
+    def report(r):
+        reports.append(r)
+        if r["kind"] == "checkpoint_failed":
+            blocker.unlink()  # the space is freed
+
+    run_segment(s, report)
+    failed = [r for r in reports if r["kind"] == "checkpoint_failed"]
+    assert (
+        [r["step"] for r in failed] == [5] and failed[0]["newest"] is None and "FileExistsError" in failed[0]["error"]
+    )
+    assert [r["step"] for r in reports if r["kind"] == "step"] == list(range(1, 13))
+    assert Store(s.checkpoint.dir).steps() == [10, 12]
+
+    (tmp_path / "full").write_text("")
+    s = dataclasses.replace(s, checkpoint=CheckpointSpec(str(tmp_path / "full"), every=2, keep=2), steps=8)
+    with pytest.raises(CheckpointSaveError, match=r"3 checkpoint saves in a row failed .*step 6.*Free space"):
+        run_segment(s, [].append)
