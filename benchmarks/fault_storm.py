@@ -202,7 +202,7 @@ def _run_leg(job: str, ckpt: str, store: str, leg: Leg, disk, log, output: str) 
     fill the disk on the way if asked. Returns its output, also written to `output`."""
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", ckpt, "--store", store]
     cmd += ["--chaos", leg.spec()] if leg.chaos else []
-    sessions = _ray_sessions()
+    sessions = ray_sessions()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -235,19 +235,19 @@ def _run_leg(job: str, ckpt: str, store: str, leg: Leg, disk, log, output: str) 
         with open(output, "w") as f:
             f.write("".join(lines))
     if killed:
-        _kill_orphans(sessions)  # a killed driver leaves its embedded cluster's daemons behind
+        kill_orphans(sessions)  # a killed driver leaves its embedded cluster's daemons behind
     elif proc.returncode != 0:
         raise RuntimeError(f"remesh run exited with {proc.returncode}:\n{''.join(lines[-60:])}")
     return "".join(lines)
 
 
-def _ray_sessions() -> set[str]:
+def ray_sessions() -> set[str]:
     root = os.path.join(tempfile.gettempdir(), "ray")
     return {n for n in os.listdir(root) if n.startswith("session_2")} if os.path.isdir(root) else set()
 
 
-def _kill_orphans(before: set[str]) -> None:
-    for session in _ray_sessions() - before:
+def kill_orphans(before: set[str]) -> None:
+    for session in ray_sessions() - before:
         subprocess.run(["pkill", "-9", "-f", session], check=False)
     time.sleep(1.0)
 

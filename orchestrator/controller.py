@@ -544,7 +544,9 @@ class JobController:
                 f"      checkpoint step {r['step']} is damaged, moved aside; trying the one before: {r['error'][:200]}"
             )
         elif kind in ("group_start", "compile", "restore", "checkpoint"):
-            extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at")}
+            extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at", "reported")}
+            if kind == "restore" and "reported" in r:
+                self._unreported(r["step"], r["reported"])
             if kind == "restore":
                 extra["committed"] = self.committed()  # nothing committed is lost: step >= this
                 if self._loss is not None and not self._loss["restored"]:
@@ -561,6 +563,19 @@ class JobController:
                 where = "host memory" if r.get("source") == "memory" else "disk"
                 again = f"; {extra['recomputed']} steps to compute again" if "recomputed" in extra else ""
                 self.print(f"      restored step {r['step']} from {where} in {r['seconds']:.2f} s{again}")
+
+    def _unreported(self, step: int, reported: dict) -> None:
+        """Steps up to the restored `step` whose reports never came: a group that went before its
+        last steps were polled, or, on a resume, a controller killed before it stored them. The
+        restored step's metadata kept them (`reported`: the segment that ran them, the reports)."""
+        done = self._done_step()
+        if done == 0:  # a resume (this run has no step of its own yet): they belong to an earlier run
+            self.recorder.resumed(step, {**reported, "segment": reported["segment"] + 1})
+            return
+        for r in reported["steps"]:
+            if done < r["step"] <= step:  # the store counts segments from 1, specs from 0
+                self.recorder.step(0, reported["segment"] + 1, r, speaker=False)
+                self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
 
     def _charge_loss(self, step: int) -> None:
         """Once a group computes a step past the one reached at a loss, what the ledger charged

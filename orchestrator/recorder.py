@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import time
 
+# What a step row keeps of a host's step report.
+STEP_FIELDS = ("step", "at", "loss", "seconds", "tokens_per_second", "mfu", "input_seconds", "wait_seconds", "metrics")
+
 
 class Recorder:
     def started(self) -> None: ...
     def event(self, event: dict) -> None: ...
     def step(self, host: int, segment: int, report: dict, speaker: bool) -> None: ...
+    def resumed(self, step: int, reported: dict) -> None: ...
     def status(self, **fields) -> None: ...
     def due(self) -> bool:
         return False
@@ -49,25 +53,33 @@ class FleetRecorder(Recorder):
 
     def step(self, host: int, segment: int, report: dict, speaker: bool) -> None:
         """One host's step report; `speaker` when this host speaks for the group (the loss gauge)."""
-        fields = (
-            "step",
-            "at",
-            "loss",
-            "seconds",
-            "tokens_per_second",
-            "mfu",
-            "input_seconds",
-            "wait_seconds",
-            "metrics",
-        )
         step = report["step"]
         if step % self._stride == 0 or self._firsts.setdefault(segment, step) == step:
-            self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in fields}})
+            self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in STEP_FIELDS}})
             self._kept.add(step)
             if len(self._kept) > self.step_rows:
                 self._thin()
         if speaker and self.metrics:
             self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
+
+    def resumed(self, step: int, reported: dict) -> None:
+        """A resume from the checkpoint of `step`. A controller killed between two flushes of its
+        store loses the rows it buffered, among them the steps up to that checkpoint, which this
+        run will not compute again; the checkpoint keeps its steps' reports past the commit before
+        it (`reported`: their segment and the reports), and the earlier run that got furthest gets
+        those it lacks, as host 0's rows."""
+        earlier = [r["run"] for r in self.store.runs(self.job.name) if r["run"] != self.run]
+        if not earlier:
+            return
+        last, run = max((self.store.last_step(r), r) for r in earlier)
+        rows = [
+            {"host": 0, "segment": reported["segment"], **{k: r.get(k) for k in STEP_FIELDS}}
+            for r in reported["steps"]
+            if last < r["step"] <= step
+        ]
+        if rows:
+            self.store.add(run, steps=rows)
+            self.store.update_run(run, steps_completed=rows[-1]["step"])
 
     def _thin(self) -> None:
         self.flush(force=True)

@@ -30,6 +30,7 @@ from .data import DataPosition
 from .digest import KIND as DIGEST_KIND
 from .digest import compile_digest, digest, digest_later
 from .jobfile import CheckpointSpec
+from .recorder import STEP_FIELDS as REPORTED_FIELDS
 
 Report = Callable[[dict], None]
 
@@ -43,6 +44,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 MAX_FAILED_SAVES = 3
+MAX_UNSAVED_REPORTS = 1024  # step reports kept for the next checkpoint's metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +163,12 @@ class _Laps:
         now = time.time()
         return now - self._last, now
 
-    def __call__(self, kind: str, *, now: float | None = None, **fields) -> None:
+    def __call__(self, kind: str, *, now: float | None = None, **fields) -> dict:
         now = time.time() if now is None else now
-        self._report({"kind": kind, "seconds": now - self._last, "at": now, **fields})
+        report = {"kind": kind, "seconds": now - self._last, "at": now, **fields}
+        self._report(report)
         self._last = now
+        return report
 
 
 @dataclasses.dataclass
@@ -177,8 +181,8 @@ class _Dispatched:
 
     def read_back(
         self, lap: _Laps, tokens: int, model_flops: float, peak: float, waited: float, copied: float = 0.0
-    ) -> float:
-        """Wait for the step's metrics and report it; returns its time. `waited`: the time spent
+    ) -> dict:
+        """Wait for the step's metrics and report it; returns the report. `waited`: the time spent
         waiting for input since the last step report, which this report's lap holds; `copied`: the
         time the loop was held copying a peer snapshot to the host, which it holds too."""
         import jax
@@ -188,7 +192,7 @@ class _Dispatched:
         # SPMD hosts finish each step together, so step time alone cannot tell a straggler; what
         # each host waited for besides its input can (blocked in dispatch or in the read-back, as
         # the backend decides where): the straggler waits least, the others for it.
-        lap(
+        return lap(
             "step",
             now=now,
             step=self.step,
@@ -201,7 +205,6 @@ class _Dispatched:
             wait_seconds=max(seconds - waited - copied, 0.0),
             snapshot_every=self.snapshot_every,
         )
-        return seconds
 
 
 def _evaluate(compiled, state, held_out, batches: int, lap: _Laps, step: int) -> None:
@@ -331,10 +334,13 @@ class _SnapshotPace:
         self.interval = max(1, math.ceil(copy / (self._budget * step)))
 
 
-def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, pace: _SnapshotPace, digest_fn) -> float:
+def _snapshot(
+    memory, state, step: int, examples_seen: int, spec: SegmentSpec, pace: _SnapshotPace, digest_fn, reports
+) -> float:
     """Copy this process's shards of the state after `step` to the host and hand them to `memory`
     (sent in the background); returns the seconds the copy held the training loop. With the
-    state's digest once its program is compiled (never waited for here): a restore checks it."""
+    state's digest once its program is compiled (never waited for here): a restore checks it;
+    and with the step reports since the newest commit (`reports`), which a restore hands back."""
     import jax
 
     from checkpoint import take_snapshot
@@ -342,7 +348,13 @@ def _snapshot(memory, state, step: int, examples_seen: int, spec: SegmentSpec, p
     jax.block_until_ready(state)  # the step's own time is not the copy's
     t = time.perf_counter()
     pace.index, arrays = take_snapshot(state, pace.index)
-    meta = {"data_position": step, "examples_seen": examples_seen, "segment": spec.segment, "step": step}
+    meta = {
+        "data_position": step,
+        "examples_seen": examples_seen,
+        "segment": spec.segment,
+        "step": step,
+        "reports": [r for r in reports if r["step"] <= step],
+    }
     # The digest is dispatched now and read by the send thread: the loop does not wait for it.
     later = digest_later(digest_fn.get(), state) if digest_fn.ready() else None
     memory.offer(step, pace.index, arrays, meta, later)  # waits only while two earlier ones are queued
@@ -470,7 +482,9 @@ def run_segment(
     def read_back() -> None:
         """Report the dispatched step; its lap holds the waits and copies since the last report."""
         nonlocal seconds, waited, copied, pending
-        seconds = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
+        step_report = pending.read_back(lap, tokens, flops["model_flops"], peak, waited, copied)
+        seconds = step_report["seconds"]
+        saves.reported(step_report)
         waited = copied = 0.0
         pending = None
         digest_fn.start()  # once a step is done: beside training, not beside a segment's first step
@@ -507,7 +521,7 @@ def run_segment(
                 saves.settle()  # a save that failed is reported as soon as it has, not at the next
             if boundary or stop is Stop.NOW:
                 args = (store, state, plan, digest_fn, done, position.example_index(done), spec, report)
-                saves.save(done, functools.partial(_save, *args))
+                saves.save(done, functools.partial(_save, *args, reports=saves.unsaved()))
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
                 break
@@ -516,7 +530,10 @@ def run_segment(
                 args = (next_plan, program, abstract_state, abstract_batch, spec, report)
                 threading.Thread(target=_compile_ahead, args=args, daemon=True, name="remesh-ahead").start()
             if done < spec.steps and stops.snapshot_every and done % stops.snapshot_every == 0:
-                copy = _snapshot(memory, state, done, position.example_index(done), spec, pace, digest_fn)
+                if pending is not None:  # the copy waits for the step anyway; its report goes with it
+                    read_back()
+                reports = saves.unsaved()
+                copy = _snapshot(memory, state, done, position.example_index(done), spec, pace, digest_fn, reports)
                 pace.took(copy, seconds)
                 copied += copy
     finally:
@@ -538,6 +555,18 @@ class _Saves:
         self.store, self.report, self.directory = store, report, directory
         self.saving: int | None = None  # the step whose save is in flight
         self.failed: list[str] = []  # saves failed in a row
+        # Step reports past the newest commit, saved with the next one: a controller killed
+        # before it stored them (its store is written once a second) gets them back on resume.
+        self._reports: list[dict] = []
+
+    def reported(self, report: dict) -> None:
+        self._reports.append({k: report.get(k) for k in REPORTED_FIELDS})
+        # The store loses at most a flush interval's rows (about a second); a long interval
+        # between checkpoints of fast steps keeps its newest reports only.
+        del self._reports[:-MAX_UNSAVED_REPORTS]
+
+    def unsaved(self) -> list[dict]:
+        return list(self._reports)
 
     def save(self, step: int, save: Callable[[], None]) -> None:
         """Settle the save in flight, then begin `step`'s (`save()`)."""
@@ -559,6 +588,7 @@ class _Saves:
             self._failed(saving, e)
         else:
             self.failed.clear()
+            self._reports = [r for r in self._reports if r["step"] > saving]
 
     def _failed(self, saving: int, e: Exception) -> None:
         self.failed.append(f"{type(e).__name__}: {e}")
@@ -629,7 +659,15 @@ def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, 
                 store.quarantine(step)
             continue
         stats = store.last_restore
-        lap("restore", step=step, source="disk", bytes_read=stats.bytes_read, bytes_needed=stats.bytes_needed, **event)
+        lap(
+            "restore",
+            step=step,
+            source="disk",
+            bytes_read=stats.bytes_read,
+            bytes_needed=stats.bytes_needed,
+            reported=_reported(meta),
+            **event,
+        )
         first = int(meta.get("data_position", step))
         return state, first, int(meta.get("examples_seen", first * spec.global_batch))
     if committed:
@@ -663,9 +701,23 @@ def _restore_snapshot(memory, target, digest_fn: _Digest, lap: _Laps):
     if not _all_agree(error is None):
         lap("snapshot_unusable", error=str(error) if error else "unusable on another host")
         return None
-    lap("restore", step=source.step, source="memory", bytes_read=0, bytes_needed=stats.bytes_needed, **event)
     meta = source.meta
+    lap(
+        "restore",
+        step=source.step,
+        source="memory",
+        bytes_read=0,
+        bytes_needed=stats.bytes_needed,
+        reported=_reported(meta),
+        **event,
+    )
     return state, int(meta["data_position"]), int(meta["examples_seen"])
+
+
+def _reported(meta: dict) -> dict:
+    """What a restored step's metadata kept of the step reports up to it: the controller stores
+    those that never reached it (a group lost before it polled them, a controller killed)."""
+    return {"segment": meta.get("segment"), "steps": meta.get("reports", [])}
 
 
 def _check_digest(digest_fn: _Digest, state, meta: dict, step: int, where: str) -> dict:
@@ -691,7 +743,15 @@ def _all_agree(ok: bool) -> bool:
 
 
 def _save(
-    store, state, plan, digest_fn: _Digest, step: int, examples_seen: int, spec: SegmentSpec, report: Report
+    store,
+    state,
+    plan,
+    digest_fn: _Digest,
+    step: int,
+    examples_seen: int,
+    spec: SegmentSpec,
+    report: Report,
+    reports: list[dict] = (),
 ) -> None:
     if spec.freeze_before_save == step:
         # Fault injection: the previous checkpoint is complete, this one is begun by the other
@@ -708,6 +768,7 @@ def _save(
         "global_batch": spec.global_batch,
         "steps": spec.steps,
         "options": spec.options,
+        "reports": [r for r in reports if r["step"] <= step],  # this segment's steps past the last commit
     }
     if digest_fn.enabled:
         meta["digest"] = digest(digest_fn.get(), state)

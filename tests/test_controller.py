@@ -27,6 +27,7 @@ class World:
         self.ignore_stop = False  # groups that never act on a stop request (a hung host)
         self.eval_every = 0  # groups evaluate after every so many steps (0: never)
         self.input_seconds = 0.0  # of each step's 0.1 s, waited for its batch
+        self.snapshot = None  # the next group restores this peer snapshot (a restore report's fields)
 
     def alive_hosts(self):
         return list(self.alive)
@@ -62,6 +63,10 @@ def fake_group_cls(world, every, now):
             self.specs = [spec_for(i, "127.0.0.1:1") for i in range(self.size)]
             self.step = world.committed
             self.pending = [{"kind": "restore", "step": self.step, "seconds": 0.01, "at": now()}] if self.step else []
+            if world.snapshot:  # a peer snapshot past the commit, with the step reports it kept
+                self.step = world.snapshot["step"]
+                self.pending = [{"kind": "restore", "seconds": 0.01, "at": now(), **world.snapshot}]
+                world.snapshot = None
             self.stop_now = False
 
         def poll(self):
@@ -118,7 +123,7 @@ def fake_plan(devices):
     )
 
 
-def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0):
+def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None):
     job = parse_job(
         {
             "name": "t",
@@ -144,6 +149,7 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0):
         sleep=lambda s: None,
         printer=lambda s: None,
         committed=committed,
+        recorder=recorder,
     )
 
 
@@ -284,6 +290,32 @@ def test_steps_reported_in_the_poll_that_finds_a_loss_are_kept_even_without_proc
             seen = sorted(c.summary.losses)
     # Step 13 came only from the survivors' answers to the poll that found the loss.
     assert seen[-1] == 13 and c.summary.losses[13] == pytest.approx(1 / 13)
+
+
+def test_steps_whose_reports_went_with_a_lost_group_come_back_with_the_snapshot_restored():
+    """The group ran steps 13 and 14 and snapshotted 14, then lost a host before the controller
+    polled those steps: the restore brings their reports (kept with the snapshot), and the run's
+    losses and step rows have them, as the segment that ran them, once."""
+    from orchestrator.recorder import Recorder
+
+    class Rows(Recorder):
+        def __init__(self):
+            self.rows = []
+
+        def step(self, host, segment, report, speaker):
+            self.rows.append((segment, host, report["step"]))
+
+    world, rows = World(4), Rows()
+    c = make(world, steps=20, recorder=rows)
+    run_until(c, lambda: c.summary.steps_completed == 12)
+    kept = [{"step": s, "loss": 1.0 / s, "at": 0.0, "seconds": 0.1, "metrics": {}} for s in (11, 12, 13, 14)]
+    world.snapshot = {"step": 14, "source": "memory", "reported": {"segment": 0, "steps": kept}}
+    world.kill_host("node3")
+    run_until(c, lambda: c.phase.is_terminal)
+    assert c.phase is Phase.FINISHED and sorted(c.summary.losses) == list(range(1, 21))
+    assert c.summary.losses[13] == 1.0 / 13 and c.summary.segments[1]["first_step"] == 15
+    assert [r for r in rows.rows if r[2] in (13, 14)] == [(1, 0, 13), (1, 0, 14)]
+    assert [e["recomputed"] for e in c.summary.events if e["kind"] == "restore"] == [0]
 
 
 def test_a_rerun_of_a_finished_job_ends_at_once_without_starting_hosts():

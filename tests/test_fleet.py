@@ -207,3 +207,35 @@ def test_status_reads_a_jobs_state_through_a_dashboard_where_the_store_is_out_of
         server.server_close()
     with pytest.raises(SubmitError, match="remesh dashboard --store"):
         remesh_state("seen", dashboard=url)
+
+
+def test_a_resumed_run_stores_the_steps_a_killed_controller_had_not_flushed(tmp_path):
+    """Run 1 stored steps 1 to 7 and was killed holding 8 to 10 (its checkpoint at 10 committed);
+    run 2 resumes from step 10 with the reports that checkpoint kept (steps 6 to 10): run 1 gets
+    rows for 8, 9 and 10 as host 0's, once, and nothing already stored is written again."""
+    from types import SimpleNamespace
+
+    from orchestrator.recorder import FleetRecorder
+
+    def report(step):
+        return {"step": step, "at": float(step), "loss": 1.0 / step, "seconds": 0.1, "tokens_per_second": 1.0,
+                "mfu": 0.1, "input_seconds": 0.0, "wait_seconds": 0.0, "metrics": {"accuracy": 0.5}}  # fmt: skip
+
+    store = FleetStore(str(tmp_path / "fleet.db"))
+    job = SimpleNamespace(name="resumed", steps=20)
+    first = FleetRecorder(store, job, cluster="c")
+    first.started()
+    for step in range(1, 8):
+        for host in range(2):
+            first.step(host, 1, report(step), speaker=host == 0)
+    first.flush(force=True)  # and then the controller is killed: 8 to 10 never reach the store
+    second = FleetRecorder(store, job, cluster="c")
+    second.started()
+    reported = {"segment": 1, "steps": [report(s) for s in range(6, 11)]}
+    second.resumed(10, reported)
+    second.resumed(10, reported)  # a second resume finds them stored
+    rows = store.steps(first.run)
+    assert sorted((r["host"], r["step"]) for r in rows if r["step"] > 7) == [(0, 8), (0, 9), (0, 10)]
+    assert len(rows) == 2 * 7 + 3 and store.steps(second.run) == []
+    assert {r["step"]: r["loss"] for r in rows}[9] == 1.0 / 9 and rows[-1]["metrics"] == {"accuracy": 0.5}
+    assert store.job("resumed", first.run)["steps_completed"] == 10

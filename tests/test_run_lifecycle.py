@@ -15,6 +15,7 @@ from conftest import ROOT
 from helpers.jobs import gpt_job
 
 from checkpoint import Store
+from orchestrator.fleet import FleetStore
 
 pytestmark = pytest.mark.ray
 
@@ -85,3 +86,42 @@ def test_a_preemption_notice_file_stops_the_run_and_a_rerun_resumes_from_the_ste
     restore = next(e for e in resumed["events"] if e["kind"] == "restore")
     assert restore["step"] == reached and restore["source"] == "disk"
     assert resumed["state"] == "finished" and resumed["segments"][0]["first_step"] == reached + 1
+
+
+def test_a_run_killed_before_it_stored_its_last_steps_gets_them_back_from_its_checkpoint(tmp_path):
+    """SIGKILL to the whole run once step 20 is committed, and the killed run's rows past step 14
+    taken out of the store, as a controller killed between two flushes of it leaves them: the
+    re-run resumes from the newest commit and stores host 0's rows up to it from the reports that
+    checkpoint kept, with the losses the killed run had."""
+    ckpt = tmp_path / "ckpt"
+
+    def kill_once_committed(proc):
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measure of speed
+        while not (ckpt.exists() and any(s >= 20 for s in Store(ckpt).steps())):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fault_storm import kill_orphans, ray_sessions
+
+    sessions = ray_sessions()
+    with pytest.raises(FileNotFoundError):  # no summary: the run was killed
+        _stop_mid_run(tmp_path, kill_once_committed)
+    kill_orphans(sessions)  # a killed driver leaves its embedded cluster's daemons behind
+    committed = Store(ckpt).steps()[-1]
+    db = FleetStore(str(tmp_path / "fleet.db"))
+    killed = db.job(tmp_path.name)["run"]
+    lost = {r["step"]: r["loss"] for r in db.steps(killed) if r["step"] > 14 and r["host"] == 0}
+    with db._db:
+        db._db.execute("DELETE FROM steps WHERE run = ? AND step > 14", (killed,))
+    db.close()
+    again = subprocess.run(_command(tmp_path, committed + 2), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    db = FleetStore(str(tmp_path / "fleet.db"))
+    back = {r["step"]: r["loss"] for r in db.steps(killed) if r["step"] > 14}
+    resumed = db.job(tmp_path.name)["run"]
+    assert sorted(back) == list(range(15, committed + 1))
+    assert all(back[s] == loss for s, loss in lost.items() if s <= committed)
+    assert min(r["step"] for r in db.steps(resumed)) == committed + 1

@@ -185,6 +185,12 @@ def test_the_worker_resumes_from_a_snapshot_on_another_mesh_between_checkpoints(
     run_segment(spec(tmp_path / "b", 8, 16), whole.append)
     want = {r["step"]: r["loss"] for r in whole if r["kind"] == "step"}
     np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+    # The snapshot kept the reports of the steps since a commit (the one at 10, or, while its save
+    # was in flight, the one before), for a controller that never polled them; segment 0 ran them.
+    kept = restore["reported"]
+    steps = [r["step"] for r in kept["steps"]]
+    assert kept["segment"] == 0 and steps == list(range(steps[0], newest + 1)) and steps[0] <= 11
+    np.testing.assert_allclose([r["loss"] for r in kept["steps"]], [want[r["step"]] for r in kept["steps"]], rtol=1e-5)
 
 
 def test_a_damaged_snapshot_falls_back_to_the_newest_commit(tmp_path, devices8):
@@ -200,6 +206,7 @@ def test_a_damaged_snapshot_falls_back_to_the_newest_commit(tmp_path, devices8):
     restore = next(r for r in reports if r["kind"] == "restore")
     assert restore["source"] == "disk" and restore["step"] == 10
     assert [r["step"] for r in reports if r["kind"] == "step"] == [11, 12, 13, 14]
+    assert [r["step"] for r in restore["reported"]["steps"]] == list(range(1, 11))  # the first commit's
 
 
 def test_a_snapshot_whose_state_does_not_match_its_digest_falls_back_to_the_newest_commit(tmp_path, devices8):
