@@ -137,6 +137,9 @@ def test_host_loss_recovers_with_parts_recorded(elastic):
     assert grown_from % 10 == 0 and 60 <= grown_from < 100
 
 
+# The coordinator's loss and a loss in a save are runs of their own, and the fault storm has
+# both among its faults: they run in the slow tier, beside it.
+@pytest.mark.slow
 def test_losing_the_coordinator_recovers_like_any_host(coordinator_lost, static):
     assert coordinator_lost["state"] == "finished"
     assert kinds(coordinator_lost, "host_lost")[0]["hosts"] == [0]
@@ -147,6 +150,7 @@ def test_losing_the_coordinator_recovers_like_any_host(coordinator_lost, static)
     assert_recovered_with_parts_recorded(coordinator_lost, losses=1)
 
 
+@pytest.mark.slow
 def test_loss_during_a_save_resumes_from_the_previous_committed_step(lost_in_save, static):
     assert lost_in_save["state"] == "finished"
     lost = kinds(lost_in_save, "host_lost")
@@ -159,22 +163,30 @@ def test_loss_during_a_save_resumes_from_the_previous_committed_step(lost_in_sav
     assert_restores_are_bitwise(lost_in_save)
 
 
-def test_every_committed_checkpoint_survives_and_verifies(elastic, coordinator_lost, lost_in_save):
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "elastic",
+        pytest.param("coordinator_lost", marks=pytest.mark.slow),
+        pytest.param("lost_in_save", marks=pytest.mark.slow),
+    ],
+)
+def test_every_committed_checkpoint_survives_and_verifies(request, scenario):
     import jax
 
     from checkpoint import Store
     from examples.gpt.model import program
     from orchestrator.digest import compile_digest, digest
 
+    run = request.getfixturevalue(scenario)
     abstract = jax.eval_shape(program.init, jax.random.key(0))
     digest_fn = compile_digest(abstract)
-    for run in (elastic, coordinator_lost, lost_in_save):
-        store = Store(run["_ckpt"])
-        steps = store.steps()
-        assert steps == [run["steps"] - 20, run["steps"] - 10, run["steps"]]  # keep = 3
-        for step in steps:
-            state = store.restore(step, target=abstract)
-            assert digest(digest_fn, state) == store.metadata(step)["meta"]["digest"]
+    store = Store(run["_ckpt"])
+    steps = store.steps()
+    assert steps == [run["steps"] - 20, run["steps"] - 10, run["steps"]]  # keep = 3
+    for step in steps:
+        state = store.restore(step, target=abstract)
+        assert digest(digest_fn, state) == store.metadata(step)["meta"]["digest"]
 
 
 def test_goodput_with_a_host_loss_adds_up_to_the_wall_time_with_each_part_measured(elastic):
