@@ -32,7 +32,7 @@ from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableE
 from .jobfile import JobSpec
 from .recorder import Recorder
 from .summary import RunSummary
-from .worker import SegmentSpec
+from .worker import SegmentSpec, plan_key
 
 LOSS_BADPUT = ("lost", "startup", "planning", "compile", "restore")  # what a host loss costs
 
@@ -139,6 +139,7 @@ class JobController:
         self._segment_from = 0  # the step the running segment started after
         self._last_host_check = 0.0
         self._injected: dict[str, float] = {}  # node id -> when chaos killed it
+        self._executables: dict[str, dict] = {}  # plan key -> programs compiled ahead for it
 
     # -- the state machine -------------------------------------------------------------------
     def step(self) -> Phase:
@@ -307,7 +308,7 @@ class JobController:
         )
         snapshots = self._snapshot_plans()
         try:
-            self._group.start(spec_for, snapshots)
+            self._group.start(spec_for, snapshots, self._executables.get(plan_key(plan_json)))
         except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss
             return self._on_hosts_lost(e)
         if self._loss is not None:  # a recovery: a host that joins now arrives in the middle of it
@@ -359,8 +360,8 @@ class JobController:
         return True
 
     def _send_ahead(self) -> None:
-        """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles it into
-        the persistent cache while it trains: a group on that mesh then loads it instead."""
+        """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles its
+        programs while it trains and reports them: a group on that plan loads them instead."""
         for key in [k for k, f in self._ahead.items() if f.done()]:
             try:
                 plan = self._ahead.pop(key).result()
@@ -526,7 +527,10 @@ class JobController:
             self._event(kind, step=r["step"], at=now, seconds=r["seconds"], loss=r["loss"], metrics=r.get("metrics"))
             self.print(f"eval  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  ({r['seconds']:.2f} s)")
         elif kind == "compile_ahead":
-            extra = {k: v for k, v in r.items() if k not in ("kind", "seconds")}
+            extra = {k: v for k, v in r.items() if k not in ("kind", "seconds", "executables")}
+            if "executables" in r:  # for the group that runs that plan; held here, where a host loss cannot take them
+                self._executables[r["executables"]["plan"]] = r["executables"]
+                extra["executables"] = sorted(k for k in r["executables"] if k != "plan")
             self._event(kind, step=self._done_step(), at=now, seconds=r["seconds"], **extra)
             what = f"failed: {r['error'][:200]}" if "error" in r else f"done in {r['seconds']:.1f} s"
             self.print(f"      compiling ahead for {r.get('devices', '?')} devices {what}")

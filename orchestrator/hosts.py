@@ -93,12 +93,14 @@ class HostActor:
         ip = ray.util.get_node_ip_address()
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "port": port, "pid": os.getpid()}
 
-    def start(self, spec_json: str, snapshots=None) -> None:
-        """`snapshots`: a `snapshots.HostSnapshots`, where peer snapshots go and come from."""
+    def start(self, spec_json: str, snapshots=None, executables: dict | None = None) -> None:
+        """`snapshots`: a `snapshots.HostSnapshots`, where peer snapshots go and come from;
+        `executables`: compiled ahead by an earlier group (`worker.run_segment`)."""
         spec = SegmentSpec.from_json(spec_json)
-        threading.Thread(target=self._run, args=(spec, snapshots), daemon=True, name="segment").start()
+        args = (spec, snapshots, executables)
+        threading.Thread(target=self._run, args=args, daemon=True, name="segment").start()
 
-    def _run(self, spec: SegmentSpec, snapshots) -> None:
+    def _run(self, spec: SegmentSpec, snapshots, executables: dict | None) -> None:
         from .metrics import RayMetrics
         from .worker import run_segment
 
@@ -111,7 +113,9 @@ class HostActor:
             self._reports.put(r)
 
         try:
-            run_segment(spec, report, lambda: self._stop, memory=memory, ahead=self._next_ahead)
+            run_segment(
+                spec, report, lambda: self._stop, memory=memory, ahead=self._next_ahead, executables=executables
+            )
         except BaseException:
             self._error = traceback.format_exc()
         finally:
@@ -126,7 +130,7 @@ class HostActor:
             return None
 
     def compile_ahead(self, plan_json: str) -> None:
-        """Compile `plan_json`'s step into the persistent cache beside training (process 0)."""
+        """Compile `plan_json`'s programs beside training, for a later group (process 0)."""
         self._ahead.put(plan_json)
 
     def poll(self) -> HostStatus:
@@ -252,12 +256,19 @@ class HostGroup:
     def coordinator(self) -> str:
         return f"{self.places[0]['ip']}:{self.places[0]['port']}"
 
-    def start(self, spec_for: Callable[[int, str], SegmentSpec], snapshots: Sequence | None = None) -> None:
-        """`snapshots`: one `snapshots.HostSnapshots` per host, or None (no peer snapshots).
-        Raises HostsLostError if a host died since the group was made (its node killed before
-        Ray noticed, say)."""
+    def start(
+        self,
+        spec_for: Callable[[int, str], SegmentSpec],
+        snapshots: Sequence | None = None,
+        executables: dict | None = None,
+    ) -> None:
+        """`snapshots`: one `snapshots.HostSnapshots` per host, or None (no peer snapshots);
+        `executables`: compiled ahead for this group's plan, or None (put in the object store
+        once, for every host). Raises HostsLostError if a host died since the group was made
+        (its node killed before Ray noticed, say)."""
+        shared = ray.put(executables) if executables else None
         refs = [
-            a.start.remote(spec_for(i, self.coordinator).to_json(), snapshots[i] if snapshots else None)
+            a.start.remote(spec_for(i, self.coordinator).to_json(), snapshots[i] if snapshots else None, shared)
             for i, a in enumerate(self.actors)
         ]
         self._answers(refs, "as the group started")
@@ -291,7 +302,8 @@ class HostGroup:
         return answered
 
     def compile_ahead(self, plan_json: str) -> None:
-        """Have process 0 compile a smaller mesh's plan beside training (worker._compile_ahead)."""
+        """Have process 0 compile a smaller mesh's plan beside training (worker._compile_ahead);
+        its report carries the executables."""
         self.actors[0].compile_ahead.remote(plan_json)
 
     def request_stop(self, now: bool = False) -> None:

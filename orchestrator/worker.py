@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
+import hashlib
 import json
 import math
 import statistics
@@ -223,14 +224,17 @@ class _Digest:
     beside training: off the path from a new group's start to its first step unless that step
     restores from disk."""
 
-    def __init__(self, target, compile, enabled: bool):
+    def __init__(self, target, compile, enabled: bool, prepared: _Prepared | None = None):
         self._target, self._compile, self.enabled = target, compile, enabled
+        self._prepared = prepared
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-digest")
         self._future: concurrent.futures.Future | None = None
 
     def start(self) -> None:
         if self.enabled and self._future is None:
-            self._future = self._pool.submit(compile_digest, self._target, self._compile)
+            compile = functools.partial(compile_digest, self._target, self._compile)
+            make = functools.partial(self._prepared.get, "digest", compile) if self._prepared else compile
+            self._future = self._pool.submit(make)
 
     def get(self):
         self.start()
@@ -368,15 +372,24 @@ def _sharded(abstract, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
+def plan_key(plan_json: str) -> str:
+    """Names the plan that executables compiled ahead were compiled for."""
+    return hashlib.sha256(plan_json.encode()).hexdigest()[:16]
+
+
 def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec: SegmentSpec, report: Report):
-    """Compile the step (and the digest, and the evaluation) for a mesh this group may shrink to,
-    into the persistent compilation cache, so the group that runs it finds them there.
+    """Compile the step, the evaluation and the digest for a mesh this group may shrink to, and
+    report them serialised (`executables`): the group that runs that plan loads them instead of
+    tracing, lowering and compiling.
 
     The smaller mesh's plan is bound to this group's first devices, which are the devices (global
-    ids and processes) a group of that many hosts would have, so the cache keys are the ones it
-    will ask for. Process 0 alone compiles (JAX writes the cache only there), in a thread beside
-    training; a failure is reported, never raised into the training loop."""
+    ids and processes) a group of that many hosts would have. Compiled afresh, never loaded from
+    the persistent cache: on XLA:CPU an executable loaded from it and serialised again fails when
+    run ("Function ... not found"). Process 0 alone compiles, in a thread beside training; a
+    failure is reported, never raised into the training loop."""
     import jax
+    from jax._src import config as jax_config
+    from jax.experimental.serialize_executable import serialize
 
     from partitioner import Plan
 
@@ -385,17 +398,45 @@ def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec
         plan = Plan.from_json(plan_json)
         devices = jax.devices()
         step_fn = plan.jit(program.step, (abstract_state, abstract_batch), devices, carry={0: 0}, donate_argnums=(0,))
-        step_fn.lower(abstract_state, abstract_batch).compile()
-        if program.evaluation is not None:
-            fn = plan.jit(program.evaluation.step, (abstract_state, abstract_batch), devices, replicated_outputs=True)
-            fn.lower(abstract_state, abstract_batch).compile()
-        if spec.digest:
-            shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
-            compile_digest(_sharded(abstract_state, shardings), lambda lowered: lowered.compile())
+        with jax_config.enable_compilation_cache(False):  # this thread's compiles only
+            executables = {"plan": plan_key(plan_json)}
+            executables["step"] = serialize(step_fn.lower(abstract_state, abstract_batch).compile())
+            if program.evaluation is not None:
+                fn = plan.jit(
+                    program.evaluation.step, (abstract_state, abstract_batch), devices, replicated_outputs=True
+                )
+                executables["evaluation"] = serialize(fn.lower(abstract_state, abstract_batch).compile())
+            if spec.digest:
+                shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
+                executables["digest"] = serialize(compile_digest(_sharded(abstract_state, shardings)))
         seconds = time.perf_counter() - t
-        report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": seconds})
+        report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": seconds, "executables": executables})
     except Exception as e:  # noqa: BLE001 (anything: the segment trains on regardless)
         report({"kind": "compile_ahead", "seconds": time.perf_counter() - t, "error": f"{type(e).__name__}: {e}"})
+
+
+class _Prepared:
+    """Executables compiled ahead for this segment's plan (`_compile_ahead`), loaded in place of
+    a compile; a program not among them, or one that fails to load, is compiled as usual."""
+
+    def __init__(self, executables: dict | None, spec: SegmentSpec, mesh):
+        ours = executables is not None and executables.get("plan") == plan_key(spec.plan_json)
+        self._executables = executables if ours else {}
+        self._devices = tuple(mesh.devices.flat)  # the plan's, which may be fewer than the process has
+        self.loaded: list[str] = []  # the programs loaded, for the compile report
+        self.failed: list[str] = []
+
+    def get(self, name: str, compile: Callable[[], Any]):
+        if name in self._executables:
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            try:
+                loaded = deserialize_and_load(*self._executables[name], execution_devices=self._devices)
+                self.loaded.append(name)
+                return loaded
+            except Exception as e:  # noqa: BLE001 (any load failure: compile instead)
+                self.failed.append(f"{name}: {type(e).__name__}: {e}"[:500])
+        return compile()
 
 
 def run_segment(
@@ -404,12 +445,14 @@ def run_segment(
     should_stop: Callable[[], Stop] = lambda: Stop.NO,
     memory=None,
     ahead: Callable[[], str | None] = lambda: None,
+    executables: dict | None = None,
 ) -> dict:
     """Train one segment. `memory`: where peer snapshots go and the one to restore comes from
     (`snapshots.PeerSnapshots`, or anything with its `offer` and `restore_step`); None
     where there is none (a plain process without Ray). `ahead`: a plan (JSON) for a smaller mesh
     to compile beside training (`_compile_ahead`), or None; asked between steps, on process 0
-    only."""
+    only. `executables`: what an earlier group compiled ahead (`_compile_ahead`'s report), used
+    if it was compiled for this segment's plan."""
     import jax
 
     from checkpoint import StoreConfig
@@ -439,17 +482,18 @@ def run_segment(
     target = _sharded(abstract_state, state_sh)
     step_fn = plan.jit(program.step, (abstract_state, abstract_batch), jax.devices(), carry={0: 0}, donate_argnums=(0,))
     share = lambda lowered: _compile_once(lowered, spec)
-    digest_fn = _Digest(target, share, spec.digest)
+    prepared = _Prepared(executables, spec, mesh)
+    digest_fn = _Digest(target, share, spec.digest, prepared)
     if memory is not None and spec.segment > 0:
         digest_fn.start()  # a group after the first likely restores a snapshot: beside the step's compile
     _maybe_hang(spec, "compile", report)
-    compiled = share(step_fn.lower(abstract_state, abstract_batch))
+    compiled = prepared.get("step", lambda: share(step_fn.lower(abstract_state, abstract_batch)))
     evaluation = program.evaluation
     if evaluation is not None:
         eval_fn = plan.jit(evaluation.step, (abstract_state, abstract_batch), jax.devices(), replicated_outputs=True)
-        eval_compiled = share(eval_fn.lower(abstract_state, abstract_batch))
+        eval_compiled = prepared.get("evaluation", lambda: share(eval_fn.lower(abstract_state, abstract_batch)))
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
-    lap("compile", **flops)
+    lap("compile", loaded=list(prepared.loaded), load_failed=list(prepared.failed), **flops)
 
     _maybe_hang(spec, "restore", report)
     state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
@@ -525,7 +569,7 @@ def run_segment(
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
                 break
-            next_plan = ahead() if spec.compilation_cache and jax.process_index() == 0 else None
+            next_plan = ahead() if jax.process_index() == 0 else None
             if next_plan is not None:
                 args = (next_plan, program, abstract_state, abstract_batch, spec, report)
                 threading.Thread(target=_compile_ahead, args=args, daemon=True, name="remesh-ahead").start()

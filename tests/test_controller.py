@@ -59,7 +59,7 @@ def fake_group_cls(world, every, now):
             self.env = config.env_vars
             world.groups.append(self)
 
-        def start(self, spec_for, snapshots=None):
+        def start(self, spec_for, snapshots=None, executables=None):
             self.specs = [spec_for(i, "127.0.0.1:1") for i in range(self.size)]
             self.step = world.committed
             self.pending = [{"kind": "restore", "step": self.step, "seconds": 0.01, "at": now()}] if self.step else []

@@ -151,3 +151,41 @@ def test_a_failed_save_is_reported_training_goes_on_and_three_in_a_row_end_the_s
     s = dataclasses.replace(s, checkpoint=CheckpointSpec(str(tmp_path / "full"), every=2, keep=2), steps=8)
     with pytest.raises(CheckpointSaveError, match=r"3 checkpoint saves in a row failed .*step 6.*Free space"):
         run_segment(s, [].append)
+
+
+def test_a_plan_compiled_ahead_is_loaded_by_the_segment_that_runs_it(tmp_path, devices8):
+    """A segment on 8 devices compiles the 4-device plan beside training; a segment on that plan
+    loads the step, evaluation and digest it handed over instead of compiling them, and trains
+    as one that compiled them itself; executables for another plan are not used."""
+    import threading
+
+    small = spec(tmp_path / "a", 4, 12)
+    reports, handed = [], threading.Event()
+    asked = iter([small.plan_json])
+
+    def report(r):
+        reports.append(r)
+        if r["kind"] == "compile_ahead":
+            handed.set()
+
+    run_segment(spec(tmp_path / "a", 8, 10), report, ahead=lambda: next(asked, None))
+    assert handed.wait(timeout=600), "compile-ahead never reported"  # a guard against a hang
+    ahead = next(r for r in reports if r["kind"] == "compile_ahead")
+    assert "error" not in ahead, ahead["error"]
+    executables = ahead["executables"]
+    assert {"step", "digest"} <= set(executables)
+
+    loaded, compiled = [], []
+    run_segment(small, loaded.append, executables=executables)
+    run_segment(spec(tmp_path / "b", 8, 10), lambda r: None)
+    run_segment(spec(tmp_path / "b", 4, 12), compiled.append)
+    compile = next(r for r in loaded if r["kind"] == "compile")
+    assert "step" in compile["loaded"] and not compile["load_failed"]
+    restore = next(r for r in loaded if r["kind"] == "restore")
+    assert restore["digest"] == restore["saved_digest"]  # the digest program handed over reads alike
+    steps = lambda rs: {r["step"]: r["loss"] for r in rs if r["kind"] == "step"}  # noqa: E731
+    assert steps(loaded) == steps(compiled) and sorted(steps(loaded)) == [11, 12]
+
+    other = []
+    run_segment(spec(tmp_path / "c", 4, 2, planner="tactics"), other.append, executables=executables)
+    assert next(r for r in other if r["kind"] == "compile")["loaded"] == []
