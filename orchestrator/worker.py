@@ -487,6 +487,11 @@ def run_segment(
     if memory is not None and spec.segment > 0:
         digest_fn.start()  # a group after the first likely restores a snapshot: beside the step's compile
     _maybe_hang(spec, "compile", report)
+    # The restore needs none of the programs: it runs beside their compile (or load). Its laps are
+    # taken once the compile's is, so laps stay back to back: a restore's holds what it took
+    # beyond the compile (and says what it took in all).
+    restoring, deferred = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-restore"), _Deferred()
+    restored = restoring.submit(_restore_beside, store, program, key, target, digest_fn, spec, deferred, memory, report)
     compiled = prepared.get("step", lambda: share(step_fn.lower(abstract_state, abstract_batch)))
     evaluation = program.evaluation
     if evaluation is not None:
@@ -495,8 +500,9 @@ def run_segment(
     flops = step_flops(program.step, (abstract_state, abstract_batch), compiled, model_flops=spec.model_flops)
     lap("compile", loaded=list(prepared.loaded), load_failed=list(prepared.failed), **flops)
 
-    _maybe_hang(spec, "restore", report)
-    state, first, first_example = _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
+    state, first, first_example = restored.result()
+    restoring.shutdown()
+    deferred.replay(lap)
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
     if evaluation is not None:
@@ -565,7 +571,7 @@ def run_segment(
                 saves.settle()  # a save that failed is reported as soon as it has, not at the next
             if boundary or stop is Stop.NOW:
                 args = (store, state, plan, digest_fn, done, position.example_index(done), spec, report)
-                saves.save(done, functools.partial(_save, *args, reports=saves.unsaved()))
+                saves.save(done, functools.partial(_save, *args))
                 lap("checkpoint", step=done)
             if done < spec.steps and (stop is Stop.NOW or (stop is Stop.AT_CHECKPOINT and boundary)):
                 break
@@ -612,11 +618,12 @@ class _Saves:
     def unsaved(self) -> list[dict]:
         return list(self._reports)
 
-    def save(self, step: int, save: Callable[[], None]) -> None:
-        """Settle the save in flight, then begin `step`'s (`save()`)."""
+    def save(self, step: int, save: Callable[..., None]) -> None:
+        """Settle the save in flight, then begin `step`'s (`save(reports=...)`, given the step
+        reports past the newest commit once that save is settled)."""
         self.settle()
         try:
-            save()
+            save(reports=self.unsaved())
         except OSError as e:  # the directory itself refused (writes fail later, in `settle`)
             self._failed(step, e)
             return
@@ -672,6 +679,25 @@ def _flops(analysis) -> float | None:
     if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
         analysis = analysis[0] if analysis else None
     return float(analysis["flops"]) if analysis and "flops" in analysis else None
+
+
+class _Deferred:
+    """Laps taken on another thread, replayed into the segment's laps in order once it is joined."""
+
+    def __init__(self):
+        self._start, self._laps = time.time(), []
+
+    def __call__(self, kind: str, **fields) -> None:
+        self._laps.append((kind, fields, time.time() - self._start))
+
+    def replay(self, lap: _Laps) -> None:
+        for kind, fields, took in self._laps:
+            lap(kind, took=took, **fields)
+
+
+def _restore_beside(store, program, key, target, digest_fn, spec: SegmentSpec, lap, memory, report: Report):
+    _maybe_hang(spec, "restore", report)
+    return _restore_or_init(store, program, key, target, digest_fn, spec, lap, memory)
 
 
 def _restore_or_init(store, program, key, target, digest_fn, spec: SegmentSpec, lap: _Laps, memory=None):
