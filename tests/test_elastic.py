@@ -6,6 +6,7 @@ Each scenario is one `remesh run` subprocess (the CLI users run), shared by the 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -247,6 +248,8 @@ def test_the_terminal_shows_remesh_lines_and_one_line_per_fault_while_ray_writes
     out = elastic["_stdout"]
     assert "state-dump" not in out and "(raylet)" not in out and "Raylet is terminated" not in out
     lost = [line for line in out.splitlines() if line.startswith("lost  ")]
-    assert len(lost) == 1 and "host(s) [3] after step 40" in lost[0]
+    # Killed once step 40 is reported; the group may finish a step more before the loss is seen.
+    found = re.match(r"lost  host\(s\) \[3\] after step (\d+) ", lost[0]) if len(lost) == 1 else None
+    assert found and int(found[1]) >= 40, lost
     log = out.splitlines()[0].split("Ray's own output goes to ")[1]
     assert os.path.getsize(os.path.join(ROOT, log)) > 0
