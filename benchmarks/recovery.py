@@ -6,7 +6,8 @@
 Each run is `remesh run examples/gpt/job.toml --chaos lose@40,add@80` (4 emulated hosts x 2 fake
 CPU devices, one host killed once step 40 is reported, one added once step 80 is). Reports per
 run: detection latency (kill to loss detected), the recovery parts (replan, taking or spawning
-the host actors, group start, compile, restore and where from, the first step after it),
+the host actors, group start, compile and which programs were loaded as compiled ahead, restore
+(beyond the compile it runs beside, and in all) and where from, the first step after it),
 recovery_seconds (loss detected to the first step completed on the new mesh), the steps computed
 again, and the badput the goodput ledger charged to the loss; then medians, p95 and worst.
 Baseline, measured in the same run: the cold start of the first segment on the same cluster (group
@@ -55,7 +56,10 @@ def parts(s: dict) -> dict:
         "spawn_s": seg["spawn_seconds"],
         "group_start_s": first["group_start"]["seconds"],
         "compile_s": first["compile"]["seconds"],
+        "loaded_ahead": ",".join(first["compile"].get("loaded", [])) or "-",  # handed over, not compiled
+        # What the restore took beyond the compile it runs beside, and in all.
         "restore_s": first["restore"]["seconds"],
+        "restore_took_s": first["restore"].get("took", first["restore"]["seconds"]),
         "restored_from": first["restore"].get("source", "disk"),
         # The first step's lap ends when it is reported; the restore's is reported before it.
         "first_step_s": seg["first_step_at"] - first["restore"]["at"],

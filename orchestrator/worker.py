@@ -377,38 +377,77 @@ def plan_key(plan_json: str) -> str:
     return hashlib.sha256(plan_json.encode()).hexdigest()[:16]
 
 
+class _ThreadCompiles(threading.local):
+    """This thread's XLA compiles and persistent-cache hits, counted from JAX's monitoring events."""
+
+    compiles = 0
+    hits = 0
+
+
+_compiles = _ThreadCompiles()
+_listeners: list = []  # registered with JAX once per process, when first needed (`_listen`)
+_listeners_lock = threading.Lock()
+
+
+def _listen() -> None:
+    import jax
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    def compiled(event: str, duration: float, **_) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            _compiles.compiles += 1
+
+    def hit(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _compiles.hits += 1
+
+    with _listeners_lock:
+        if not _listeners:
+            jax.monitoring.register_event_duration_secs_listener(compiled)
+            jax.monitoring.register_event_listener(hit)
+            _listeners.extend([compiled, hit])
+
+
+def _fresh(lowered):
+    """`lowered` compiled and serialised, or None where the executable is not a fresh compile (a
+    persistent-cache hit, or JAX's in-memory cache): on XLA:CPU an executable loaded from the
+    cache and serialised again fails when run ("Function ... not found"), and the cache's
+    switch cannot be turned off for one thread once the process has used the cache."""
+    from jax.experimental.serialize_executable import serialize
+
+    compiles, hits = _compiles.compiles, _compiles.hits
+    compiled = lowered.compile()
+    return serialize(compiled) if _compiles.compiles > compiles and _compiles.hits == hits else None
+
+
 def _compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec: SegmentSpec, report: Report):
     """Compile the step, the evaluation and the digest for a mesh this group may shrink to, and
     report them serialised (`executables`): the group that runs that plan loads them instead of
     tracing, lowering and compiling.
 
     The smaller mesh's plan is bound to this group's first devices, which are the devices (global
-    ids and processes) a group of that many hosts would have. Compiled afresh, never loaded from
-    the persistent cache: on XLA:CPU an executable loaded from it and serialised again fails when
-    run ("Function ... not found"). Process 0 alone compiles, in a thread beside training; a
+    ids and processes) a group of that many hosts would have. Only fresh compiles are handed over
+    (`_fresh`); a program the persistent cache held is left out, and the group loads it from
+    there as it would have anyway. Process 0 alone compiles, in a thread beside training; a
     failure is reported, never raised into the training loop."""
     import jax
-    from jax._src import config as jax_config
-    from jax.experimental.serialize_executable import serialize
 
     from partitioner import Plan
 
     t = time.perf_counter()
     try:
+        _listen()
         plan = Plan.from_json(plan_json)
         devices = jax.devices()
         step_fn = plan.jit(program.step, (abstract_state, abstract_batch), devices, carry={0: 0}, donate_argnums=(0,))
-        with jax_config.enable_compilation_cache(False):  # this thread's compiles only
-            executables = {"plan": plan_key(plan_json)}
-            executables["step"] = serialize(step_fn.lower(abstract_state, abstract_batch).compile())
-            if program.evaluation is not None:
-                fn = plan.jit(
-                    program.evaluation.step, (abstract_state, abstract_batch), devices, replicated_outputs=True
-                )
-                executables["evaluation"] = serialize(fn.lower(abstract_state, abstract_batch).compile())
-            if spec.digest:
-                shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
-                executables["digest"] = serialize(compile_digest(_sharded(abstract_state, shardings)))
+        executables = {"plan": plan_key(plan_json), "step": _fresh(step_fn.lower(abstract_state, abstract_batch))}
+        if program.evaluation is not None:
+            fn = plan.jit(program.evaluation.step, (abstract_state, abstract_batch), devices, replicated_outputs=True)
+            executables["evaluation"] = _fresh(fn.lower(abstract_state, abstract_batch))
+        if spec.digest:
+            shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)
+            executables["digest"] = compile_digest(_sharded(abstract_state, shardings), _fresh)
+        executables = {k: v for k, v in executables.items() if v is not None}
         seconds = time.perf_counter() - t
         report({"kind": "compile_ahead", "devices": plan.devices_used, "seconds": seconds, "executables": executables})
     except Exception as e:  # noqa: BLE001 (anything: the segment trains on regardless)

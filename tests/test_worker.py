@@ -189,3 +189,24 @@ def test_a_plan_compiled_ahead_is_loaded_by_the_segment_that_runs_it(tmp_path, d
     other = []
     run_segment(spec(tmp_path / "c", 4, 2, planner="tactics"), other.append, executables=executables)
     assert next(r for r in other if r["kind"] == "compile")["loaded"] == []
+
+
+def test_a_program_the_persistent_cache_held_is_not_handed_over(tmp_path):
+    """Two processes, one cache: the first compiles the 4-device programs afresh and hands them
+    over; the second finds them in the cache, and an executable loaded from it and serialised
+    again fails on XLA:CPU when run, so it hands none over (its group loads them from the cache)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def handed(work):
+        cmd = [sys.executable, "-m", "tests.helpers.ahead_process", str(tmp_path / "cache"), str(tmp_path / work)]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    assert {"step", "digest"} <= set(handed("a"))
+    assert handed("b") == []
