@@ -32,7 +32,7 @@ lint: $(STAMP)
 test: $(STAMP) browser lint
 	$(PY) -m pytest -q -m "not slow"
 
-# The slow tier (the partitioner corpus, the model recipes, a token-file job resumed on fewer hosts, the fault storm: about 35 min on 2 cores, the storm about 15 of them); CI runs it after `make test`.
+# The slow tier (the partitioner corpus, the model recipes, a token-file job resumed on fewer hosts, the coordinator's loss and a loss in a save end to end, the fault storm): 33 min in CI before the two end-to-end runs moved here (about 6 min more), the storm about 10 of them; CI runs it after `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
