@@ -159,6 +159,11 @@ def test_a_plan_compiled_ahead_is_loaded_by_the_segment_that_runs_it(tmp_path, d
     as one that compiled them itself; executables for another plan are not used."""
     import threading
 
+    import jax
+
+    # Only programs compiled afresh are handed over (not ones JAX's in-memory cache holds from the
+    # tests before this one in the process).
+    jax.clear_caches()
     small = spec(tmp_path / "a", 4, 12)
     reports, handed = [], threading.Event()
     asked = iter([small.plan_json])
