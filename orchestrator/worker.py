@@ -357,7 +357,7 @@ def _snapshot(
         "examples_seen": examples_seen,
         "segment": spec.segment,
         "step": step,
-        "reports": [r for r in reports if r["step"] <= step],
+        "reports": reports,
     }
     # The digest is dispatched now and read by the send thread: the loop does not wait for it.
     later = digest_later(digest_fn.get(), state) if digest_fn.ready() else None
@@ -385,10 +385,9 @@ class _ThreadCompiles(threading.local):
 
 
 _compiles = _ThreadCompiles()
-_listeners: list = []  # registered with JAX once per process, when first needed (`_listen`)
-_listeners_lock = threading.Lock()
 
 
+@functools.cache  # once per process: registered twice, both counts would still only grow together
 def _listen() -> None:
     import jax
     from jax._src.dispatch import BACKEND_COMPILE_EVENT
@@ -401,11 +400,8 @@ def _listen() -> None:
         if event == "/jax/compilation_cache/cache_hits":
             _compiles.hits += 1
 
-    with _listeners_lock:
-        if not _listeners:
-            jax.monitoring.register_event_duration_secs_listener(compiled)
-            jax.monitoring.register_event_listener(hit)
-            _listeners.extend([compiled, hit])
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    jax.monitoring.register_event_listener(hit)
 
 
 def _fresh(lowered):
@@ -621,7 +617,7 @@ def run_segment(
             if done < spec.steps and stops.snapshot_every and done % stops.snapshot_every == 0:
                 if pending is not None:  # the copy waits for the step anyway; its report goes with it
                     read_back()
-                reports = saves.unsaved()
+                reports = saves.unsaved(done)
                 copy = _snapshot(memory, state, done, position.example_index(done), spec, pace, digest_fn, reports)
                 pace.took(copy, seconds)
                 copied += copy
@@ -654,15 +650,16 @@ class _Saves:
         # between checkpoints of fast steps keeps its newest reports only.
         del self._reports[:-MAX_UNSAVED_REPORTS]
 
-    def unsaved(self) -> list[dict]:
-        return list(self._reports)
+    def unsaved(self, upto: int) -> list[dict]:
+        """The step reports past the newest commit, up to step `upto`."""
+        return [r for r in self._reports if r["step"] <= upto]
 
     def save(self, step: int, save: Callable[..., None]) -> None:
         """Settle the save in flight, then begin `step`'s (`save(reports=...)`, given the step
         reports past the newest commit once that save is settled)."""
         self.settle()
         try:
-            save(reports=self.unsaved())
+            save(reports=self.unsaved(step))
         except OSError as e:  # the directory itself refused (writes fail later, in `settle`)
             self._failed(step, e)
             return
@@ -877,7 +874,7 @@ def _save(
         "global_batch": spec.global_batch,
         "steps": spec.steps,
         "options": spec.options,
-        "reports": [r for r in reports if r["step"] <= step],  # this segment's steps past the last commit
+        "reports": list(reports),  # this segment's steps past the last commit
     }
     if digest_fn.enabled:
         meta["digest"] = digest(digest_fn.get(), state)
