@@ -13,6 +13,7 @@ most `devices_per_host` devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -23,16 +24,24 @@ from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import Graph
 from .plan import Cost
-from .propagate import DeviceBytes, Propagation, per_device_bytes
+from .propagate import Propagation, Sharding, per_device_bytes
 
 if TYPE_CHECKING:
     from .fold import Fold
 
 
 def estimate(
-    graph: Graph, prop: Propagation, mesh: Mapping[str, int], hardware: Hardware, fold: Fold | None = None
-) -> Cost:
-    """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled)."""
+    graph: Graph,
+    prop: Propagation,
+    mesh: Mapping[str, int],
+    hardware: Hardware,
+    fold: Fold | None = None,
+    *,
+    beyond: float = math.inf,
+) -> Cost | None:
+    """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled).
+    None where compute and communication alone take `beyond` seconds or more: a trial that cannot
+    beat what it is measured against is not worth its peak, the dearest part to find."""
     if fold is not None:
         graph, mult, mat = fold.graph, fold.mult, fold.materialized
     elif graph.copies:
@@ -42,8 +51,9 @@ def estimate(
         )
     else:
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], memory.materialized(graph)
-    size = DeviceBytes(graph, prop.shardings, mesh)
-    compute = sum(m * _op_seconds(row, prop, mesh, hardware, size) for row, m in zip(_work(graph, mat), mult) if row)
+    work = _work(graph, mat)
+    size = _device_bytes(work, prop, mesh)
+    compute = _compute_seconds(work, prop, mesh, hardware, size, mult)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
@@ -72,8 +82,12 @@ def estimate(
         p = math.prod(mesh[a] for a in axes)
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
         comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
+    if compute + comm >= beyond:
+        return None
     if fold is not None:
-        peak = fold.peak_bytes({v: size[v] for v in mat}, held, hardware.copies_transposed_lhs)
+        peak = fold.peak_bytes(
+            dict(zip(work.materialized_ids, size[work.materialized_ids].tolist())), held, hardware.copies_transposed_lhs
+        )
     else:
         peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
     return Cost(compute, comm, sent, peak)
@@ -107,31 +121,74 @@ def _off_path(graph: Graph) -> set[int]:
     return {v for op in graph.ops for v in op.results if v not in feeds}
 
 
-def _work(graph: Graph, materialized: set[int]) -> list[tuple | None]:
-    """Per op, what pricing it reads (found once per graph: every candidate asks): its id, flops,
-    the values it moves through memory (a fusible op only those materialized) and the flops of a
-    loop body; None for a tie."""
-    if graph._work is None or graph._work[0] is not materialized:
-        rows = []
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """What pricing the ops' compute reads, found once per graph (every candidate asks): per op its
+    flops and a loop body's, and the values it moves through memory (a fusible op only those
+    materialized), as one flat array cut by op; ties, which compute nothing, have none of them."""
+
+    materialized: set[int]
+    materialized_ids: np.ndarray  # the same, as an array
+    flops: np.ndarray  # per op
+    body_flops: np.ndarray  # per op: a loop body's, times its trips (priced unsharded: not propagated into)
+    values: np.ndarray  # the values each op moves, op after op
+    owner: np.ndarray  # per entry of `values`, its op
+    nbytes: np.ndarray  # per value of the graph, unsharded (int64)
+
+
+def _work(graph: Graph, materialized: set[int]) -> _Work:
+    if graph._work is None or graph._work.materialized is not materialized:
+        flops, body, values, owner = [], [], [], []
         for op in graph.ops:
-            values = op.operands + op.results
+            tie = op.primitive == "tie"
+            moved = op.operands + op.results
             if op.primitive in memory.FUSIBLE:
-                values = tuple(v for v in values if v in materialized)
-            body = op.trips * sum(o.flops for o in op.body.ops) if op.body is not None else None
-            rows.append((op.id, op.flops, tuple(v for v in values if v >= 0), body) if op.primitive != "tie" else None)
-        graph._work = (materialized, rows)
-    return graph._work[1]
+                moved = tuple(v for v in moved if v in materialized)
+            moved = [v for v in moved if v >= 0] if not tie else []
+            flops.append(0 if tie else op.flops)
+            body.append(op.trips * sum(o.flops for o in op.body.ops) if op.body is not None and not tie else 0)
+            values += moved
+            owner += [op.id] * len(moved)
+        graph._work = _Work(
+            materialized,
+            np.array(sorted(materialized), dtype=np.int64),
+            np.array(flops, dtype=np.float64),
+            np.array(body, dtype=np.float64),
+            np.array(values, dtype=np.int64),
+            np.array(owner, dtype=np.int64),
+            np.array([v.nbytes for v in graph.values], dtype=np.int64),
+        )
+    return graph._work
 
 
-def _op_seconds(row: tuple, prop: Propagation, mesh, hardware: Hardware, size: DeviceBytes) -> float:
-    op, flops, values, body = row
-    assigned = prop.factor_axes[op]
-    shards = math.prod(mesh[a] for a in {a for axes in assigned.values() for a in axes}) if assigned else 1
-    flops = flops / shards
-    seconds = max(flops / hardware.peak_flops, sum(size[v] for v in values) / hardware.memory_bandwidth)
-    if body is not None:  # loop bodies are not propagated into yet: priced unsharded
-        seconds += body / hardware.peak_flops
-    return seconds
+def _device_bytes(work: _Work, prop: Propagation, mesh) -> np.ndarray:
+    """Per value of the graph, its bytes on one device under `prop` (`per_device_bytes`)."""
+    parts = np.ones(len(work.nbytes), dtype=np.int64)
+    split: dict[Sharding, int] = {}
+    for v, sharding in prop.shardings.items():
+        n = split.get(sharding)
+        if n is None:
+            n = split[sharding] = max(math.prod(math.prod(mesh[a] for a in axes) for axes in sharding), 1)
+        parts[v] = n
+    return work.nbytes // parts
+
+
+def _compute_seconds(work: _Work, prop: Propagation, mesh, hardware: Hardware, size: np.ndarray, mult) -> float:
+    """Roofline time of every op on one device, each counted `mult` times: its flops over the
+    devices its factors are split across, or its bytes moved, whichever takes longer."""
+    shards = np.ones(len(work.flops))
+    devices: dict[tuple, int] = {}  # the axes an op's factors are split over -> how many devices
+    for op, assigned in prop.factor_axes.items():
+        if assigned:
+            axes = tuple(assigned.values())
+            n = devices.get(axes)
+            if n is None:
+                n = devices[axes] = math.prod(mesh[a] for a in {a for x in axes for a in x})
+            shards[op] = n
+    moved = np.bincount(work.owner, weights=size[work.values].astype(np.float64), minlength=len(work.flops))
+    seconds = np.maximum(work.flops / shards / hardware.peak_flops, moved / hardware.memory_bandwidth)
+    seconds += work.body_flops / hardware.peak_flops
+    return float(np.dot(np.asarray(mult, dtype=np.float64), seconds))
 
 
 def _span(axes, mesh: Mapping[str, int]) -> int:

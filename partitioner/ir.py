@@ -101,7 +101,7 @@ class Graph:
     _propagation: object | None = dataclasses.field(default=None, repr=False, compare=False)  # (`propagate`)
     _first_stage: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # (`propagate`)
     _off_path: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
-    _work: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
+    _work: object | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one

@@ -46,12 +46,19 @@ class Communication:
 
 @dataclasses.dataclass
 class Propagation:
+    graph: Graph = dataclasses.field(repr=False)
+    mesh: Mapping[str, int]
     shardings: dict[int, Sharding]
     factor_axes: dict[int, dict[int, tuple[str, ...]]]  # op id -> factor -> axes
-    communication: list[Communication]
 
     def of(self, value: int, rank: int) -> Sharding:
         return self.shardings.get(value, ((),) * rank)
+
+    @functools.cached_property
+    def communication(self) -> list[Communication]:
+        """What the assignment implies (`_communication`): found when first asked, as only a
+        priced candidate needs it, not a tactic reading where an axis went."""
+        return _communication(self.graph, self.shardings, self.factor_axes, self.mesh)
 
 
 def propagate(
@@ -83,7 +90,7 @@ def propagate(
         # activation, the gradient coming back) keep that split. Rerun with those results
         # split so from the start, beside the batch.
         shardings, factor_axes, _ = _run(graph, stages, mesh, max_sweeps, seeds, touching)
-    return Propagation(shardings, factor_axes, _communication(graph, shardings, factor_axes, mesh))
+    return Propagation(graph, dict(mesh), shardings, factor_axes)
 
 
 def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Sharding], touching: Mapping[int, list[int]]):
@@ -96,19 +103,51 @@ def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Shardi
         state = _copied(cache[key])
         stages = stages[1:]
     else:
-        state = (
-            dict(seeds),  # not fixed: they only claim their axes first
-            set(),
-            {op.id: {} for op in graph.ops},  # op id -> factor -> axes
-            {op.id: {} for op in graph.ops},  # op id -> factor -> bytes of the operand that set it
-            [],  # (op, factor, axes) a larger operand took over
-        )
+        state = _fresh(graph, seeds)
     for n, stage in enumerate(stages):
         _stage(graph, state, stage, n == 0 and not cached, mesh, max_sweeps, touching)
         if key is not None and key not in cache:
             cache[key] = _copied(state)
     shardings, _, factor_axes, _, takeovers = state
     return shardings, factor_axes, takeovers
+
+
+def _fresh(graph: Graph, seeds: Mapping[int, Sharding]):
+    return (
+        dict(seeds),  # not fixed: they only claim their axes first
+        set(),
+        {op.id: {} for op in graph.ops},  # op id -> factor -> axes
+        {op.id: {} for op in graph.ops},  # op id -> factor -> bytes of the operand that set it
+        [],  # (op, factor, axes) a larger operand took over
+    )
+
+
+class Spreading:
+    """Annotations added a few at a time, each spreading from where those before it left off, as
+    `propagate` spreads its `first` stage and then the rest: for a tactic that decides weights
+    one at a time and reads, before each decision, where the decisions before it sent an axis
+    (`tactics._megatron`). Each addition costs the ops it reaches, not the graph. Unlike
+    `propagate`, no rerun follows a takeover: it says where axes go, it is not priced.
+
+    Example:
+        >>> s = Spreading(g, {"model": 4})
+        >>> s.add({w1: ((), ("model",))})
+        >>> s.of(hidden, 2)
+    """
+
+    def __init__(self, graph: Graph, mesh: Mapping[str, int], max_sweeps: int = 8):
+        self.graph, self.mesh, self.max_sweeps = graph, dict(mesh), max_sweeps
+        self._state = _fresh(graph, {})
+        self._started = False
+
+    def add(self, annotations: Mapping[int, Sharding]) -> None:
+        stage = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
+        touching = _static(self.graph).touching
+        _stage(self.graph, self._state, stage, not self._started, self.mesh, self.max_sweeps, touching)
+        self._started = True
+
+    def of(self, value: int, rank: int) -> Sharding:
+        return self._state[0].get(value, ((),) * rank)
 
 
 def _copied(state):
@@ -122,14 +161,16 @@ def _copied(state):
     )
 
 
-def _stage(graph: Graph, state, stage, everything: bool, mesh, max_sweeps: int, touching) -> None:
-    """Spread one stage's annotations to a fixed point, from every op (`everything`) or from the
-    ops next to them."""
+def _stage(graph: Graph, state, stage, first: bool, mesh, max_sweeps: int, touching) -> None:
+    """Spread one stage's annotations to a fixed point from the ops next to them, and in the
+    `first` stage also from those next to the seeds. (An op next to no sharded value finds
+    nothing to assign: visiting every op would only add visits that change nothing.)"""
     shardings, fixed, factor_axes, claims, takeovers = state
     info = _static(graph).ops
+    starts = [*stage, *shardings] if first else stage
     shardings.update(stage)
     fixed |= set(stage)
-    new = {op.id for op in graph.ops} if everything else {o for v in stage for o in touching.get(v, ())}
+    new = {o for v in starts for o in touching.get(v, ())}
     sizes = _Products(mesh)
     held: set[int] = set()  # broadcasts that did not read a smaller sharded value in the strict pass
     dirty: set[int] = set()
@@ -138,39 +179,36 @@ def _stage(graph: Graph, state, stage, everything: bool, mesh, max_sweeps: int, 
         # Monotone: only ops next to a new annotation, then only the broadcasts that held back.
         dirty = new if strict else held | {i for i in dirty if info[i].broadcasting}
         for sweep in range(max_sweeps):
-            forward = sweep % 2 == 0
-            dirty = _sweep(dirty, forward, functools.partial(_visit, graph, info, touching, work, forward, strict))
+            dirty = _sweep(graph, info, touching, work, sweep % 2 == 0, strict, dirty)
             if not dirty:
                 break
 
 
-def _visit(graph: Graph, info, touching, work, forward: bool, strict: bool, i: int) -> list[int]:
-    """`_step` op `i`; returns the ops that see a value it changed."""
+def _sweep(graph: Graph, info, touching, work, forward: bool, strict: bool, dirty: set[int]) -> set[int]:
+    """`_step` the dirty ops in program order (or reversed). Only ops that see a value a step
+    changed can change anything (the op that changed it has taken everything it can from it):
+    one ahead of the op stepped is stepped in this sweep, one behind it in the next. Returns the
+    next sweep's."""
     shardings, fixed, factor_axes, claims, sizes, takeovers, held = work
-    changed = _step(
-        graph.ops[i], info[i], shardings, fixed, factor_axes[i], claims[i], sizes, forward, strict, takeovers, held
-    )
-    # Only ops that see a changed value can change anything; the op that changed it has already
-    # taken everything it can from it.
-    return [o for v in changed for o in touching[v] if o != i] if changed else changed
-
-
-def _sweep(dirty: set[int], forward: bool, visit) -> set[int]:
-    """Visit the dirty ops in program order (or reversed); an op made dirty ahead of the one
-    visited is visited in this sweep, one behind it in the next. Returns the next sweep's."""
-    sign = 1 if forward else -1
+    ops, sign = graph.ops, 1 if forward else -1
     heap = sorted(sign * i for i in dirty)
     queued, later = set(dirty), set()
     while heap:
         i = sign * heapq.heappop(heap)
         queued.discard(i)
-        for o in visit(i):
-            if (o > i) == forward:
-                if o not in queued:
-                    queued.add(o)
-                    heapq.heappush(heap, sign * o)
-            else:
-                later.add(o)
+        changed = _step(
+            ops[i], info[i], shardings, fixed, factor_axes[i], claims[i], sizes, forward, strict, takeovers, held
+        )
+        for v in changed:
+            for o in touching[v]:
+                if o == i:
+                    continue
+                if (o > i) == forward:
+                    if o not in queued:
+                        queued.add(o)
+                        heapq.heappush(heap, sign * o)
+                else:
+                    later.add(o)
     return later
 
 
@@ -208,9 +246,9 @@ class _OpInfo:
     operand_bytes: dict  # factor -> bytes of the largest operand that carries it
     # Each value with its dimensions that carry a factor, (d, factor); a value whose rank its
     # dims do not match takes no sharding from the op.
-    reads: tuple  # (value, nbytes, ((d, factor), ...)), largest first (forward order among equals)
+    reads: tuple  # (value, nbytes, ((d, factor, factor size), ...)), largest first (forward order among equals)
     reads_backward: tuple  # (results first among equals)
-    writes: tuple  # (value, shape, ((d, factor), ...)), operands then results
+    writes: tuple  # (value, rank, ((d, factor, dimension size), ...)), operands then results
     writes_backward: tuple  # results then operands
 
 
@@ -222,6 +260,7 @@ class _Static:
     touching: dict[int, list[int]]  # value -> the ops that read or make it
     constants: set[int]  # values computed from literals alone (`_constants`)
     moved_instead: dict[int, list[int]]  # value -> what resharding it moves (`_communication`)
+    exchanges: list[tuple[frozenset, tuple]]  # per op, what `_communication` reads (`_exchanges`)
 
 
 def _static(graph: Graph) -> _Static:
@@ -233,7 +272,11 @@ def _static(graph: Graph) -> _Static:
                     touching.setdefault(v, []).append(op.id)
         constants = _constants(graph)
         graph._propagation = _Static(
-            [_info(graph, op) for op in graph.ops], touching, constants, _moved(graph, constants)
+            [_info(graph, op) for op in graph.ops],
+            touching,
+            constants,
+            _moved(graph, constants),
+            _exchanges(graph, constants),
         )
     return graph._propagation
 
@@ -253,8 +296,8 @@ def _info(graph: Graph, op: Op) -> _OpInfo:
         by_size[0][2] if by_size else 0,
         op.primitive in _BROADCASTING,
         carried,
-        _reads(graph, by_size),
-        _reads(graph, ranked(bwd)),
+        _reads(graph, op, by_size),
+        _reads(graph, op, ranked(bwd)),
         _writes(graph, fwd),
         _writes(graph, bwd),
     )
@@ -264,15 +307,19 @@ def _slots(dims, rank: int) -> tuple:
     return tuple((d, factors[0]) for d, factors in enumerate(dims[:rank]) if factors)
 
 
-def _reads(graph: Graph, ranked) -> tuple:
-    return tuple((v, n, _slots(d, len(graph.values[v].shape))) for v, d, n in ranked)
+def _reads(graph: Graph, op: Op, ranked) -> tuple:
+    """(value, bytes, ((d, factor, the factor's size), ...)) per value, in the order given."""
+    slots = lambda d, v: tuple((i, f, op.factors[f].size) for i, f in _slots(d, len(graph.values[v].shape)))
+    return tuple((v, n, slots(d, v)) for v, d, n in ranked)
 
 
 def _writes(graph: Graph, sides) -> tuple:
+    """(value, ((d, factor, the dimension's size), ...)) per value its dims match, in the order given."""
     out = []
     for v, dims in sides:
-        if v >= 0 and len(dims) == len(graph.values[v].shape) and any(dims):
-            out.append((v, graph.values[v].shape, _slots(dims, len(dims))))
+        shape = graph.values[v].shape if v >= 0 else ()
+        if v >= 0 and len(dims) == len(shape) and any(dims):
+            out.append((v, len(shape), tuple((d, f, shape[d]) for d, f in _slots(dims, len(dims)))))
     return tuple(out)
 
 
@@ -301,17 +348,17 @@ def _step(
         if gated and nbytes < info.largest:
             held.add(op.id)
             continue
-        for d, factor in slots:
+        for d, factor, size in slots:
             axes = sharding[d]
-            if axes and factor not in assigned and op.factors[factor].size % sizes[axes] == 0:
-                taken = [f for f, a in assigned.items() if not set(axes).isdisjoint(a)]
+            if axes and factor not in assigned and size % sizes[axes] == 0:
+                taken = [f for f, a in assigned.items() if not set(axes).isdisjoint(a)] if assigned else None
                 # An operand at least twice the size of the one that claimed the axis takes it
                 # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
                 # FSDP-split weight and batch-split activation want the same axis.
                 if taken and all(2 * claims.get(f, 0) <= nbytes for f in taken):
                     for f in taken:
                         del assigned[f]
-                    taken = []
+                    taken = None
                     takeovers.append((op.id, factor, tuple(axes)))
                 if not taken:
                     assigned[factor] = tuple(axes)
@@ -321,24 +368,26 @@ def _step(
     if not assigned:
         return []
     changed = []
-    for value, shape, slots in info.writes if forward else info.writes_backward:
+    for value, rank, slots in info.writes if forward else info.writes_backward:
         if value in fixed:
             continue
         current = shardings.get(value)
         proposed = None
-        for d, factor in slots:
-            if factor not in assigned or (current is not None and current[d]):
+        for d, factor, n in slots:
+            if current is not None and current[d]:
+                continue
+            axes = assigned.get(factor)
+            if axes is None:
                 continue
             if proposed is None:
-                proposed = list(current) if current is not None else [()] * len(shape)
+                proposed = list(current) if current is not None else [()] * rank
                 used = {a for axes in proposed for a in axes}
-            axes = assigned[factor]
-            if used.isdisjoint(axes) and shape[d] % sizes[axes] == 0:
+            if used.isdisjoint(axes) and n % sizes[axes] == 0:
                 proposed[d] = axes
                 used.update(axes)
         if proposed is not None:
             new = tuple(proposed)
-            if new != (current if current is not None else ((),) * len(shape)):
+            if new != (current if current is not None else ((),) * rank):
                 shardings[value] = new
                 changed.append(value)
     return changed
@@ -350,29 +399,48 @@ _BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
 def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communication]:
     out = []
     static = _static(graph)
-    constant, scattered = static.constants, static.moved_instead
-    for op in graph.ops:
-        assigned = factor_axes[op.id]
-        for f, axes in assigned.items():
-            if op.factors[f].kind is FactorKind.REDUCE:
-                for value in op.results:
-                    # A result split over the reduced axes needs only its own part of the sums.
-                    split = {a for dim in shardings.get(value, ()) for a in dim}
-                    kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                    out.append(Communication(op.id, kind, value, axes, per_device_bytes(graph, value, shardings, mesh)))
-        for value, dims in zip(op.operands, op.operand_dims):
-            if value < 0 or value not in shardings or value in constant:  # computed in any layout, for free
+    scattered = static.moved_instead
+    for op_id, (reduces, reads) in enumerate(static.exchanges):
+        assigned = factor_axes[op_id]
+        if assigned and reduces:
+            for f, axes in assigned.items():
+                if f in reduces:
+                    for value in graph.ops[op_id].results:
+                        # A result split over the reduced axes needs only its own part of the sums.
+                        split = {a for dim in shardings.get(value, ()) for a in dim}
+                        kind = "reduce-scatter" if split & set(axes) else "all-reduce"
+                        out.append(
+                            Communication(op_id, kind, value, axes, per_device_bytes(graph, value, shardings, mesh))
+                        )
+        for value, factors in reads:
+            given = shardings.get(value)
+            if given is None:
                 continue
-            for _d, (axes, factors) in enumerate(zip(shardings[value], dims)):
-                want = assigned.get(factors[0], ()) if factors else ()
-                if axes and tuple(axes) != tuple(want):
-                    for moved in scattered.get(value, [value]):
+            for axes, factor in zip(given, factors):
+                if axes and tuple(axes) != (assigned.get(factor, ()) if factor is not None else ()):
+                    for moved in scattered.get(value, (value,)):
                         out.append(
                             Communication(
-                                op.id, "reshard", moved, tuple(axes), per_device_bytes(graph, moved, shardings, mesh)
+                                op_id, "reshard", moved, tuple(axes), per_device_bytes(graph, moved, shardings, mesh)
                             )
                         )
                     break
+    return out
+
+
+def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]]:
+    """Per op, what `_communication` reads of it: its REDUCE factors, and each operand that can
+    need moving (not a literal, not computed from literals alone: made in any layout, for free)
+    with, per dimension, the factor it carries (None: none)."""
+    out = []
+    for op in graph.ops:
+        reduces = frozenset(f for f, factor in enumerate(op.factors) if factor.kind is FactorKind.REDUCE)
+        reads = tuple(
+            (v, tuple(fs[0] if fs else None for fs in dims))
+            for v, dims in zip(op.operands, op.operand_dims)
+            if v >= 0 and v not in constant
+        )
+        out.append((reduces, reads))
     return out
 
 
@@ -412,20 +480,3 @@ def per_device_bytes(graph: Graph, value: int, shardings: Mapping[int, Sharding]
     v = graph.values[value]
     parts = math.prod(math.prod(mesh[a] for a in axes) for axes in shardings.get(value, ()))
     return v.nbytes // max(parts, 1)
-
-
-class DeviceBytes(dict):
-    """Value -> its bytes on one device under `shardings`, each found once (`per_device_bytes`)."""
-
-    def __init__(self, graph: Graph, shardings: Mapping[int, Sharding], mesh):
-        super().__init__()
-        self.graph, self.shardings, self.parts = graph, shardings, {}
-        self.sizes = _Products(mesh)
-
-    def __missing__(self, value: int) -> int:
-        sharding = self.shardings.get(value, ())
-        parts = self.parts.get(sharding)
-        if parts is None:
-            parts = self.parts[sharding] = max(math.prod(self.sizes[axes] for axes in sharding), 1)
-        self[value] = n = self.graph.values[value].nbytes // parts
-        return n

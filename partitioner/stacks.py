@@ -35,13 +35,13 @@ def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
     ShapeDtypeStructs), at least `min_depth` deep."""
     members: dict[tuple, dict[int, list]] = {}
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = key_names(keys)
+        names, kind = key_names(keys), None
         for j, k in enumerate(keys):
             slot = _slot(k)
             if slot is not None:
                 prefix, index = slot
-                rest = (names[j + 1 :], tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None))
-                members.setdefault((names[:j], prefix), {}).setdefault(index, []).append(rest)
+                kind = kind or (tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None))
+                members.setdefault((names[:j], prefix), {}).setdefault(index, []).append((names[j + 1 :], kind))
     found = []
     for (path, prefix), by_index in members.items():
         n = len(by_index)
@@ -51,6 +51,7 @@ def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
     return [s for s in found if not any(_inside(s, t) for t in found if t is not s)]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (a deep model's ~10^4 leaves share a few hundred keys)
 def _slot(key) -> tuple[str | None, int] | None:
     """(prefix, index) where `key` names a stack member: a sequence index, or a dict key that is
     an integer or ends in one."""

@@ -44,7 +44,7 @@ from .fold import Fold, fold
 from .hardware import Hardware
 from .ir import FactorKind, Graph, Op
 from .plan import Cost
-from .propagate import Propagation, Sharding, propagate
+from .propagate import Propagation, Sharding, Spreading, propagate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +111,6 @@ class Inputs:
         """`_megatron`'s decisions, by model size and preset."""
         return {}
 
-    @functools.cached_property
-    def upstream(self) -> dict[int, set[int]]:
-        """Per weight's matmul, every weight's matmul whose result its activation is computed from."""
-        return _upstream(self.graph, self.weights)
-
 
 TACTICS = (
     "dp",
@@ -164,9 +159,13 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[
     the batch divides (6 of 7 for a batch of 24). `data` must divide the batch and `seq` every
     batch leaf's sequence. The fast level keeps to meshes without seq and with model within a
     host (`fast_mesh`), except where none of those uses every device (a batch of 64 on 1,024):
-    then it also prices all-device meshes with the two largest data axes the batch allows, the
-    rest of the devices over seq and model (model within a host where one allows it, as on the
-    other fast meshes), so a plan uses the cluster wherever that is cheaper."""
+    then it also prices all-device meshes with the largest data axis the batch allows, the rest
+    of the devices over seq and model (model within a host where one allows it, as on the other
+    fast meshes), so a plan uses the cluster wherever that is cheaper. A smaller data axis would
+    only move devices into seq: the batch and the sequence are cut as many ways in all (the same
+    activations per device), the weights' gradients are reduced over as many devices, and only
+    the keys and values that seq gathers grow (on every corpus model the largest data axis gave
+    the best all-device plan)."""
     leaves = [
         inputs.graph.values[v].shape
         for v, a in zip(inputs.ids, inputs.argnum)
@@ -190,8 +189,8 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[
         return [mesh for meshes in valid.values() for mesh in meshes]
     out = [mesh for meshes in valid.values() for mesh in meshes if fast_mesh(mesh, hw)]
     if not any(math.prod(mesh.values()) == devices for mesh in out):
-        largest = sorted({mesh["data"] for mesh in valid[devices]}, reverse=True)[:2]
-        fill = [mesh for mesh in valid[devices] if mesh["data"] in largest]
+        largest = max(mesh["data"] for mesh in valid[devices])
+        fill = [mesh for mesh in valid[devices] if mesh["data"] == largest]
         out += [mesh for mesh in fill if mesh["model"] <= _fast_model(hw)] or fill
     return out
 
@@ -262,12 +261,14 @@ def priced(
     annotations: Mapping[int, Sharding],
     hw: Hardware,
     batch: Mapping[int, Sharding],
-) -> Candidate:
+    beyond: float = math.inf,
+) -> Candidate | None:
     """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
-    batch first, and priced."""
+    batch first, and priced; None where it takes `beyond` seconds or more (`estimate`)."""
     annotations = _mirror_optimizer_state(inputs, annotations)
     prop = propagate(inputs.graph, annotations, mesh, first=batch)
-    return Candidate(name, dict(mesh), annotations, estimate(inputs.graph, prop, mesh, hw, inputs.fold), prop)
+    cost = estimate(inputs.graph, prop, mesh, hw, inputs.fold, beyond=beyond)
+    return None if cost is None else Candidate(name, dict(mesh), annotations, cost, prop)
 
 
 def refined(
@@ -314,9 +315,9 @@ def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bo
     chosen = {w.value: model_only(start.annotations[w.value]) for w in weights if w.value in start.annotations}
     chosen = {v: sh for v, sh in chosen.items() if any(sh)}
 
-    def price(tp):
+    def price(tp, beyond=math.inf):
         ann = add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp
-        return priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
+        return priced(inputs, name, mesh, {**batch, **ann}, hw, batch, beyond)
 
     best = price(chosen)
     for w in weights:
@@ -327,8 +328,12 @@ def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bo
                 trial[w.value] = w.sharding(split_over(shape, d, "model"))
             if trial == chosen:
                 continue
-            c = price(trial)
-            if c.cost.peak_bytes_per_device <= limit and c.cost.total_seconds < best.cost.total_seconds:
+            c = price(trial, beyond=best.cost.total_seconds)
+            if (
+                c is not None
+                and c.cost.peak_bytes_per_device <= limit
+                and c.cost.total_seconds < best.cost.total_seconds
+            ):
                 best, chosen = c, trial
     return best
 
@@ -452,7 +457,8 @@ def _find_weights(inputs: Inputs) -> list[Weight]:
 def _megatron(
     inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Sharding] | None = None
 ) -> dict[int, Sharding]:
-    """Decide weights in program order, propagating after each decision; weights in `preset`
+    """Decide weights in program order, each decision spreading (`Spreading`) before the next
+    weight's activation is read; weights in `preset`
     (stacked experts) take the sharding given there. A weight is row-parallel where its
     activation arrives split along the contracted dimension, or comes from a column-parallel
     projection through ops that lost the split (a fused QKV cut by `jnp.split`): Megatron's pairs,
@@ -472,19 +478,18 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
     g, t = inputs.graph, mesh["model"]
     chosen: dict[int, Sharding] = {}
     column: set[int] = set()  # matmuls whose weight went column-parallel
-    weights, feeders, upstream = weights_in_order(inputs), inputs.feeders, inputs.upstream
-    prop, pending = propagate(g, {}, mesh), set()  # matmuls decided since `prop`
+    weights, feeders = weights_in_order(inputs), inputs.feeders
+    spread = Spreading(g, mesh)
+    spread.add({})
     for weight in weights:
         op, k, w = weight.op, weight.k, weight.value
-        if pending & upstream[op.id]:  # (a decision that cannot reach this activation changes nothing here)
-            prop, pending = propagate(g, chosen, mesh), set()
         if preset and w in preset:
             chosen[w] = preset[w]
-            pending.add(op.id)
+            spread.add({w: preset[w]})
             continue
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
-        x_sharding = prop.of(other, len(g.values[other].shape)) if other >= 0 else ()
+        x_sharding = spread.of(other, len(g.values[other].shape)) if other >= 0 else ()
         kind = lambda dims: op.factors[dims[0]].kind if dims else None  # noqa: B023 (called within the iteration)
         arrives_split = any(
             "model" in axes and kind(dims) is FactorKind.REDUCE for axes, dims in zip(x_sharding, x_dims)
@@ -504,7 +509,7 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
         if kind(w_dims[dims[0]]) is FactorKind.PASS:
             column.add(op.id)
         chosen[w] = weight.sharding(split_over(shape, dims[0], "model"))
-        pending.add(op.id)
+        spread.add({w: chosen[w]})
     return chosen
 
 
@@ -513,19 +518,15 @@ def _feeders(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:
     that multiply by no weight (attention, norms, a split, a residual add), and are at least as
     large as it (the stream it consumes, not a router's gates beside it)."""
     out = {}
-    for w, reached in zip(weights, _reaching(g, weights, through_weights=False)):
+    for w, reached in zip(weights, _reaching(g, weights)):
         size = g.values[w.op.operands[1 - w.k]].nbytes
         out[w.op.id] = {op.id for op, v in reached if g.values[v].nbytes >= size}
     return out
 
 
-def _upstream(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:
-    return {w.op.id: {op.id for op, _ in reached} for w, reached in zip(weights, _reaching(g, weights, True))}
-
-
-def _reaching(g: Graph, weights: list[Weight], through_weights: bool) -> list[list[tuple[Op, int]]]:
-    """Per weight, the weights' matmuls its activation is computed from, each with the value it
-    made on the way: the nearest only, or (`through_weights`) every one."""
+def _reaching(g: Graph, weights: list[Weight]) -> list[list[tuple[Op, int]]]:
+    """Per weight, the nearest weights' matmuls its activation is computed from, each with the
+    value it made on the way."""
     mine = {w.op.id for w in weights}
     producer = {r: op for op in g.ops for r in op.results}
     out = []
@@ -539,8 +540,7 @@ def _reaching(g: Graph, weights: list[Weight], through_weights: bool) -> list[li
             op = producer[v]
             if op.id in mine:
                 found.append((op, v))
-                if not through_weights:
-                    continue
+                continue
             stack.extend(op.operands)
         out.append(found)
     return out
