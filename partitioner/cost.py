@@ -24,7 +24,7 @@ from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import Graph
 from .plan import Cost
-from .propagate import Propagation, Sharding, per_device_bytes
+from .propagate import Propagation
 
 if TYPE_CHECKING:
     from .fold import Fold
@@ -52,7 +52,7 @@ def estimate(
     else:
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], memory.materialized(graph)
     work = _work(graph, mat)
-    size = _device_bytes(work, prop, mesh)
+    size = prop.device_bytes
     compute = _compute_seconds(work, prop, mesh, hardware, size, mult)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
@@ -89,7 +89,7 @@ def estimate(
             dict(zip(work.materialized_ids, size[work.materialized_ids].tolist())), held, hardware.copies_transposed_lhs
         )
     else:
-        peak = peak_bytes(graph, prop, mesh, held, hardware.copies_transposed_lhs)
+        peak = peak_bytes(graph, prop, held, hardware.copies_transposed_lhs)
     return Cost(compute, comm, sent, peak)
 
 
@@ -133,7 +133,6 @@ class _Work:
     body_flops: np.ndarray  # per op: a loop body's, times its trips (priced unsharded: not propagated into)
     values: np.ndarray  # the values each op moves, op after op
     owner: np.ndarray  # per entry of `values`, its op
-    nbytes: np.ndarray  # per value of the graph, unsharded (int64)
 
 
 def _work(graph: Graph, materialized: set[int]) -> _Work:
@@ -156,21 +155,8 @@ def _work(graph: Graph, materialized: set[int]) -> _Work:
             np.array(body, dtype=np.float64),
             np.array(values, dtype=np.int64),
             np.array(owner, dtype=np.int64),
-            np.array([v.nbytes for v in graph.values], dtype=np.int64),
         )
     return graph._work
-
-
-def _device_bytes(work: _Work, prop: Propagation, mesh) -> np.ndarray:
-    """Per value of the graph, its bytes on one device under `prop` (`per_device_bytes`)."""
-    parts = np.ones(len(work.nbytes), dtype=np.int64)
-    split: dict[Sharding, int] = {}
-    for v, sharding in prop.shardings.items():
-        n = split.get(sharding)
-        if n is None:
-            n = split[sharding] = max(math.prod(math.prod(mesh[a] for a in axes) for axes in sharding), 1)
-        parts[v] = n
-    return work.nbytes // parts
 
 
 def _compute_seconds(work: _Work, prop: Propagation, mesh, hardware: Hardware, size: np.ndarray, mult) -> float:
@@ -197,14 +183,10 @@ def _span(axes, mesh: Mapping[str, int]) -> int:
     return math.prod(mesh[n] for n in names[outermost:])
 
 
-def device_bytes(graph: Graph, value: int, prop: Propagation, mesh) -> int:
-    return per_device_bytes(graph, value, prop.shardings, mesh)
-
-
-def peak_bytes(graph: Graph, prop: Propagation, mesh, held=frozenset(), copies: bool = False) -> int:
+def peak_bytes(graph: Graph, prop: Propagation, held=frozenset(), copies: bool = False) -> int:
     """The most bytes live on one device at once, as XLA lays buffers out (`memory.peak`);
     `held`: values a combined all-reduce keeps until the last of them is made; `copies`: the
     backend copies a transposed dot lhs (`Hardware.copies_transposed_lhs`)."""
     life = memory.liveness(graph)
-    sizes = np.array([device_bytes(graph, int(v), prop, mesh) for v in life.values], dtype=np.float64)
+    sizes = prop.device_bytes[life.values].astype(np.float64)
     return memory.peak(life, sizes, np.isin(life.values, list(held)), copies)

@@ -29,6 +29,8 @@ import heapq
 import math
 from collections.abc import Collection, Mapping
 
+import numpy as np
+
 from .ir import FactorKind, Graph, Op
 from .rules import ELEMENTWISE
 
@@ -46,7 +48,7 @@ class Communication:
 
 @dataclasses.dataclass
 class Propagation:
-    graph: Graph = dataclasses.field(repr=False)
+    graph: Graph = dataclasses.field(repr=False, compare=False)
     mesh: Mapping[str, int]
     shardings: dict[int, Sharding]
     factor_axes: dict[int, dict[int, tuple[str, ...]]]  # op id -> factor -> axes
@@ -58,7 +60,19 @@ class Propagation:
     def communication(self) -> list[Communication]:
         """What the assignment implies (`_communication`): found when first asked, as only a
         priced candidate needs it, not a tactic reading where an axis went."""
-        return _communication(self.graph, self.shardings, self.factor_axes, self.mesh)
+        return _communication(self.graph, self.shardings, self.factor_axes, self.device_bytes)
+
+    @functools.cached_property
+    def device_bytes(self) -> np.ndarray:
+        """Per value of the graph, its bytes on one device (int64)."""
+        parts = np.ones(len(self.graph.values), dtype=np.int64)
+        sizes, split = _Products(self.mesh), {}
+        for v, sharding in self.shardings.items():
+            n = split.get(sharding)
+            if n is None:
+                n = split[sharding] = max(math.prod(sizes[axes] for axes in sharding), 1)
+            parts[v] = n
+        return _static(self.graph).nbytes // parts
 
 
 def propagate(
@@ -261,6 +275,7 @@ class _Static:
     constants: set[int]  # values computed from literals alone (`_constants`)
     moved_instead: dict[int, list[int]]  # value -> what resharding it moves (`_communication`)
     exchanges: list[tuple[frozenset, tuple]]  # per op, what `_communication` reads (`_exchanges`)
+    nbytes: np.ndarray  # per value, its bytes whole (int64)
 
 
 def _static(graph: Graph) -> _Static:
@@ -277,6 +292,7 @@ def _static(graph: Graph) -> _Static:
             constants,
             _moved(graph, constants),
             _exchanges(graph, constants),
+            np.array([v.nbytes for v in graph.values], dtype=np.int64),
         )
     return graph._propagation
 
@@ -396,7 +412,7 @@ def _step(
 _BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
 
 
-def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communication]:
+def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray) -> list[Communication]:
     out = []
     static = _static(graph)
     scattered = static.moved_instead
@@ -409,9 +425,7 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
                         # A result split over the reduced axes needs only its own part of the sums.
                         split = {a for dim in shardings.get(value, ()) for a in dim}
                         kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                        out.append(
-                            Communication(op_id, kind, value, axes, per_device_bytes(graph, value, shardings, mesh))
-                        )
+                        out.append(Communication(op_id, kind, value, axes, int(size[value])))
         for value, factors in reads:
             given = shardings.get(value)
             if given is None:
@@ -419,11 +433,7 @@ def _communication(graph: Graph, shardings, factor_axes, mesh) -> list[Communica
             for axes, factor in zip(given, factors):
                 if axes and tuple(axes) != (assigned.get(factor, ()) if factor is not None else ()):
                     for moved in scattered.get(value, (value,)):
-                        out.append(
-                            Communication(
-                                op_id, "reshard", moved, tuple(axes), per_device_bytes(graph, moved, shardings, mesh)
-                            )
-                        )
+                        out.append(Communication(op_id, "reshard", moved, tuple(axes), int(size[moved])))
                     break
     return out
 
@@ -473,10 +483,3 @@ def _moved(graph: Graph, constant: set[int]) -> dict[int, list[int]]:
         }
     )
     return moved
-
-
-def per_device_bytes(graph: Graph, value: int, shardings: Mapping[int, Sharding], mesh) -> int:
-    """Bytes of `value` on one device under `shardings`."""
-    v = graph.values[value]
-    parts = math.prod(math.prod(mesh[a] for a in axes) for axes in shardings.get(value, ()))
-    return v.nbytes // max(parts, 1)

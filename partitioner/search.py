@@ -28,7 +28,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import exact
-from .cost import device_bytes, estimate
+from .cost import estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
@@ -169,8 +169,8 @@ def _search(
 
 def _remat_hint(inputs: Inputs, least: Candidate, hw: Hardware, limit: int) -> str:
     """Whether rematerialising the repeated layers would make the smallest plan fit, and by how much."""
-    g = inputs.graph
-    sizes = {v: device_bytes(g, v, least.propagation, least.mesh) for v in inputs.fold.materialized}
+    size = least.propagation.device_bytes
+    sizes = {v: int(size[v]) for v in inputs.fold.materialized}
     found = inputs.fold.remat_peak(sizes, hw.copies_transposed_lhs)
     if found is None:
         return ""

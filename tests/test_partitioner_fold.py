@@ -76,7 +76,6 @@ def test_the_remat_estimate_matches_the_rematerialised_program():
     the plain program's liveness is within 10% of the predicted peak of the same program written
     with it (MaxText's loop, FSDP over 8), and nothing is left to save in the latter."""
     from partitioner import profile, tactics
-    from partitioner.cost import device_bytes
     from tests.corpus import llama_maxtext
 
     mesh, hw, found = {"data": 8, "seq": 1, "model": 1}, profile("h100"), {}
@@ -86,7 +85,7 @@ def test_the_remat_estimate_matches_the_rematerialised_program():
         batch = tactics.batch_shardings(inputs, mesh)
         fsdp = {v: s for v in tactics.state_values(inputs) if (s := tactics.fsdp(inputs.graph.values[v].shape, 8))}
         c = tactics.priced(inputs, "fsdp", mesh, {**batch, **fsdp}, hw, batch)
-        sizes = {v: device_bytes(inputs.graph, v, c.propagation, mesh) for v in inputs.fold.materialized}
+        sizes = {v: int(c.propagation.device_bytes[v]) for v in inputs.fold.materialized}
         found[remat] = (c.cost.peak_bytes_per_device, *inputs.fold.remat_peak(sizes))
     (plain, estimate, saved), (rematerialised, _, left) = found[False], found[True]
     assert saved > 0.4 * plain and left == 0
