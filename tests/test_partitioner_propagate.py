@@ -81,3 +81,37 @@ def test_megatron_mlp_is_priced_with_one_intra_host_all_reduce():
     # and the hidden activation it reads, each (16, 256) split 8 ways, are both live.
     x_b, w_b, h_b = 16 * 64 * 4 // 2, 64 * 256 * 4 // 4, 16 * 256 * 4 // 8
     assert cost.peak_bytes_per_device == x_b + 2 * w_b + 2 * h_b
+
+
+def test_spreading_one_annotation_at_a_time_reads_where_the_earlier_ones_sent_an_axis():
+    """`Spreading` (Megatron's decisions, one weight at a time): after the first weight's split,
+    the hidden activation the second weight multiplies arrives split over model; after both,
+    every value is sharded as one propagation of both annotations shards it."""
+    from partitioner.propagate import Spreading
+
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    hidden = producer_of(g, "dot_general", 0).results[0]
+    s = Spreading(g, MESH)
+    s.add({x: (("data",), ())})
+    assert s.of(hidden, 2) == (("data",), ())
+    s.add({w1: ((), ("model",))})
+    assert s.of(hidden, 2) == (("data",), ("model",))
+    s.add({w2: (("model",), ())})
+    whole = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    assert {v: s.of(v, len(g.values[v].shape)) for v in whole.shardings} == whole.shardings
+
+
+def test_a_price_beyond_the_bound_skips_the_peak_and_says_so():
+    """`estimate(..., beyond=)`: None where compute and communication alone reach the bound (a
+    refinement trial that cannot be accepted), the same cost as without it otherwise."""
+    from partitioner.cost import estimate
+    from partitioner.hardware import profile
+
+    h100 = profile("h100")
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    cost = estimate(g, p, MESH, h100)
+    assert estimate(g, p, MESH, h100, beyond=cost.total_seconds) is None
+    assert estimate(g, p, MESH, h100, beyond=cost.total_seconds * 1.001) == cost
