@@ -24,6 +24,11 @@ def leaf_key(keypath) -> str:
     return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
 
 
+def mesh_text(mesh: Mapping[str, int], every: bool = False) -> str:
+    """`data=4 x model=2`: a mesh's axes and their sizes, those of size 1 only where `every`."""
+    return " x ".join(f"{k}={v}" for k, v in mesh.items() if every or v > 1) or "data=1"
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """Predicted seconds per call, split into compute and communication, and peak bytes per device."""
@@ -72,7 +77,7 @@ class Plan:
         return tuple(self.mesh)
 
     def describe(self) -> str:
-        axes = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        axes = mesh_text(self.mesh, every=True)
         used = (
             f"{self.devices_used} of {self.devices} devices"
             if self.devices_used != self.devices

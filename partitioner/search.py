@@ -32,7 +32,7 @@ from .cost import estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
-from .plan import Plan
+from .plan import Plan, mesh_text
 from .propagate import Sharding
 from .tactics import (
     TACTICS,
@@ -40,7 +40,6 @@ from .tactics import (
     Inputs,
     fast_mesh,
     mesh_shapes,
-    mesh_text,
     read_inputs,
     refined,
     tactic_candidates,

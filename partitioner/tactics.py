@@ -43,7 +43,7 @@ from .errors import PlanInputError
 from .fold import Fold, fold
 from .hardware import Hardware
 from .ir import FactorKind, Graph, Op
-from .plan import Cost
+from .plan import Cost, mesh_text
 from .propagate import Propagation, Sharding, Spreading, propagate
 
 
@@ -56,7 +56,7 @@ class Candidate:
     propagation: Propagation = dataclasses.field(repr=False, compare=False)
 
     def line(self) -> str:
-        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        mesh = mesh_text(self.mesh, every=True)
         c = self.cost
         return (
             f"{self.tactic:<14} {mesh:<18} {c.total_seconds * 1e3:9.3f} ms  (compute {c.compute_seconds * 1e3:.3f}, "
@@ -573,7 +573,3 @@ def _mirror_optimizer_state(inputs: Inputs, annotations: Mapping[int, Sharding])
             if hit is not None:
                 out[v] = hit
     return out
-
-
-def mesh_text(mesh: Mapping[str, int]) -> str:
-    return " x ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "data=1"
