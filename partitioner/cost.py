@@ -31,29 +31,25 @@ if TYPE_CHECKING:
 
 
 def estimate(
-    graph: Graph,
-    prop: Propagation,
-    mesh: Mapping[str, int],
-    hardware: Hardware,
-    fold: Fold | None = None,
-    *,
-    beyond: float = math.inf,
+    prop: Propagation, hardware: Hardware, fold: Fold | None = None, *, beyond: float = math.inf
 ) -> Cost | None:
-    """Price `prop` on `graph`, or on `fold.graph` (each op counted as often as it occurs unrolled).
-    None where compute and communication alone take `beyond` seconds or more: a trial that cannot
-    beat what it is measured against is not worth its peak, the dearest part to find."""
+    """Price `prop` on its graph and mesh; on a fold's graph, each op counted as often as it occurs
+    unrolled (`fold`). None where compute and communication alone take `beyond` seconds or more:
+    a trial that cannot beat what it is measured against is not worth its peak, the dearest part
+    to find."""
+    graph, mesh = prop.graph, prop.mesh
     if fold is not None:
-        graph, mult, mat = fold.graph, fold.mult, fold.materialized
+        mult, mat = fold.mult, fold.materialized
     elif graph.copies:
         raise ValueError(
             "estimate: this graph was captured compact (its repeated layers are `Graph.copies`, not ops); "
-            "price it through its fold, `estimate(fold.graph, prop, mesh, hw, fold)`, or capture it with compact=False"
+            "price it through its fold, `estimate(propagate(fold.graph, ...), hw, fold)`, or capture it with compact=False"
         )
     else:
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], memory.materialized(graph)
     work = _work(graph, mat)
     size = prop.device_bytes
-    compute = _compute_seconds(work, prop, mesh, hardware, size, mult)
+    compute = _compute_seconds(work, prop, hardware, mult)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
@@ -89,7 +85,7 @@ def estimate(
             dict(zip(work.materialized_ids, size[work.materialized_ids].tolist())), held, hardware.copies_transposed_lhs
         )
     else:
-        peak = peak_bytes(graph, prop, held, hardware.copies_transposed_lhs)
+        peak = peak_bytes(prop, held, hardware.copies_transposed_lhs)
     return Cost(compute, comm, sent, peak)
 
 
@@ -159,7 +155,7 @@ def _work(graph: Graph, materialized: set[int]) -> _Work:
     return graph._work
 
 
-def _compute_seconds(work: _Work, prop: Propagation, mesh, hardware: Hardware, size: np.ndarray, mult) -> float:
+def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -> float:
     """Roofline time of every op on one device, each counted `mult` times: its flops over the
     devices its factors are split across, or its bytes moved, whichever takes longer."""
     shards = np.ones(len(work.flops))
@@ -169,9 +165,11 @@ def _compute_seconds(work: _Work, prop: Propagation, mesh, hardware: Hardware, s
             axes = tuple(assigned.values())
             n = devices.get(axes)
             if n is None:
-                n = devices[axes] = math.prod(mesh[a] for a in {a for x in axes for a in x})
+                n = devices[axes] = math.prod(prop.mesh[a] for a in {a for x in axes for a in x})
             shards[op] = n
-    moved = np.bincount(work.owner, weights=size[work.values].astype(np.float64), minlength=len(work.flops))
+    moved = np.bincount(
+        work.owner, weights=prop.device_bytes[work.values].astype(np.float64), minlength=len(work.flops)
+    )
     seconds = np.maximum(work.flops / shards / hardware.peak_flops, moved / hardware.memory_bandwidth)
     seconds += work.body_flops / hardware.peak_flops
     return float(np.dot(np.asarray(mult, dtype=np.float64), seconds))
@@ -183,10 +181,10 @@ def _span(axes, mesh: Mapping[str, int]) -> int:
     return math.prod(mesh[n] for n in names[outermost:])
 
 
-def peak_bytes(graph: Graph, prop: Propagation, held=frozenset(), copies: bool = False) -> int:
+def peak_bytes(prop: Propagation, held=frozenset(), copies: bool = False) -> int:
     """The most bytes live on one device at once, as XLA lays buffers out (`memory.peak`);
     `held`: values a combined all-reduce keeps until the last of them is made; `copies`: the
     backend copies a transposed dot lhs (`Hardware.copies_transposed_lhs`)."""
-    life = memory.liveness(graph)
+    life = memory.liveness(prop.graph)
     sizes = prop.device_bytes[life.values].astype(np.float64)
     return memory.peak(life, sizes, np.isin(life.values, list(held)), copies)

@@ -152,13 +152,10 @@ class Spreading:
     def __init__(self, graph: Graph, mesh: Mapping[str, int], max_sweeps: int = 8):
         self.graph, self.mesh, self.max_sweeps = graph, dict(mesh), max_sweeps
         self._state = _fresh(graph, {})
-        self._started = False
 
     def add(self, annotations: Mapping[int, Sharding]) -> None:
         stage = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
-        touching = _static(self.graph).touching
-        _stage(self.graph, self._state, stage, not self._started, self.mesh, self.max_sweeps, touching)
-        self._started = True
+        _stage(self.graph, self._state, stage, False, self.mesh, self.max_sweeps, _static(self.graph).touching)
 
     def of(self, value: int, rank: int) -> Sharding:
         return self._state[0].get(value, ((),) * rank)

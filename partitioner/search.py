@@ -263,7 +263,7 @@ def _to_plan(
         c.peak_bytes_per_device
         if hw.copies_transposed_lhs
         else estimate(
-            g, best.propagation, best.mesh, dataclasses.replace(hw, copies_transposed_lhs=True), inputs.fold
+            best.propagation, dataclasses.replace(hw, copies_transposed_lhs=True), inputs.fold
         ).peak_bytes_per_device
     )
     cost = dataclasses.replace(c, collective_bytes=dict(c.collective_bytes), cpu_peak_bytes_per_device=cpu_peak)

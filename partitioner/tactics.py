@@ -267,7 +267,7 @@ def priced(
     batch first, and priced; None where it takes `beyond` seconds or more (`estimate`)."""
     annotations = _mirror_optimizer_state(inputs, annotations)
     prop = propagate(inputs.graph, annotations, mesh, first=batch)
-    cost = estimate(inputs.graph, prop, mesh, hw, inputs.fold, beyond=beyond)
+    cost = estimate(prop, hw, inputs.fold, beyond=beyond)
     return None if cost is None else Candidate(name, dict(mesh), annotations, cost, prop)
 
 
@@ -458,8 +458,8 @@ def _megatron(
     inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Sharding] | None = None
 ) -> dict[int, Sharding]:
     """Decide weights in program order, each decision spreading (`Spreading`) before the next
-    weight's activation is read; weights in `preset`
-    (stacked experts) take the sharding given there. A weight is row-parallel where its
+    weight's activation is read; weights in `preset` (stacked experts) take the sharding given
+    there. A weight is row-parallel where its
     activation arrives split along the contracted dimension, or comes from a column-parallel
     projection through ops that lost the split (a fused QKV cut by `jnp.split`): Megatron's pairs,
     read from the dataflow. The graph is folded, so a repeated layer's weights are decided once
@@ -480,7 +480,6 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
     column: set[int] = set()  # matmuls whose weight went column-parallel
     weights, feeders = weights_in_order(inputs), inputs.feeders
     spread = Spreading(g, mesh)
-    spread.add({})
     for weight in weights:
         op, k, w = weight.op, weight.k, weight.value
         if preset and w in preset:

@@ -38,11 +38,11 @@ def test_folded_pricing_matches_the_unrolled_graph():
     w2 = [v for v, k in zip(leaves, inputs.keys) if k[:1] == ("params",) and k[-1] == "w2"]
     x = leaves[-1]
     ann = {x: (("data",), (), ()), **{w: ((), ("model",)) for w in w1}, **{w: (("model",), ()) for w in w2}}
-    full = estimate(graph, propagate(graph, ann, mesh), mesh, h100)
+    full = estimate(propagate(graph, ann, mesh), h100)
     f = inputs.fold
     reps = {f.of(v): s for v, s in ann.items()}
     assert len({f.of(w) for w in w1}) == 1 and len({f.of(w) for w in w2}) == 1  # four layers, one class each
-    folded = estimate(f.graph, propagate(f.graph, reps, mesh), mesh, h100, f)
+    folded = estimate(propagate(f.graph, reps, mesh), h100, f)
     assert folded.collective_bytes == full.collective_bytes
     assert folded.peak_bytes_per_device == full.peak_bytes_per_device
     assert folded.communication_seconds == pytest.approx(full.communication_seconds, rel=1e-9)

@@ -70,7 +70,7 @@ def test_megatron_mlp_is_priced_with_one_intra_host_all_reduce():
     g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
     x, w1, w2 = g.inputs
     p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
-    cost = estimate(g, p, MESH, h100)
+    cost = estimate(p, h100)
     partial = 16 * 64 * 4 // 2
     assert cost.collective_bytes == {"all-reduce": 2 * 3 * partial // 4, "all-gather": 0}
     # Latency: a tree's 2*log2(4) = 4 steps, fewer than a ring's 2*(4-1) = 6.
@@ -112,6 +112,6 @@ def test_a_price_beyond_the_bound_skips_the_peak_and_says_so():
     g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
     x, w1, w2 = g.inputs
     p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
-    cost = estimate(g, p, MESH, h100)
-    assert estimate(g, p, MESH, h100, beyond=cost.total_seconds) is None
-    assert estimate(g, p, MESH, h100, beyond=cost.total_seconds * 1.001) == cost
+    cost = estimate(p, h100)
+    assert estimate(p, h100, beyond=cost.total_seconds) is None
+    assert estimate(p, h100, beyond=cost.total_seconds * 1.001) == cost

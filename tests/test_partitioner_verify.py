@@ -29,7 +29,7 @@ def hand_plan(in_specs, out_specs, predicted):
 def predicted_cost(fn, args, annotations):
     g = capture(fn, *args)
     p = propagate(g, dict(zip(g.inputs, annotations)), MESH)
-    c = estimate(g, p, MESH, profile("h100"))
+    c = estimate(p, profile("h100"))
     return Cost(c.compute_seconds, c.communication_seconds, c.collective_bytes, c.peak_bytes_per_device)
 
 
@@ -155,7 +155,7 @@ def test_fsdp_mlp_moves_the_small_activation_and_keeps_the_large_weights_split_a
     annotations = [(("data",), ()), ((), ("data",)), (("data",), ())]
     g = capture(mlp, *args)
     p = propagate(g, dict(zip(g.inputs, annotations)), mesh, first=[g.inputs[0]])
-    c = estimate(g, p, mesh, profile("h100"))
+    c = estimate(p, profile("h100"))
     predicted = Cost(c.compute_seconds, c.communication_seconds, c.collective_bytes, c.peak_bytes_per_device)
     assert p.of(g.outputs[0], 2) == ((), ())  # the hidden layer no longer carries the batch's split
     plan = Plan(
