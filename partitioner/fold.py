@@ -130,16 +130,20 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
         _merge_mirrors(graph, parent, keys, input_ids)
         _merge_untouched(graph, parent, keys, input_ids)
     kept, seen = [], {}
-    # Constants (ops on literals only) stay one per use, since each use may want its own
-    # sharding; equal ones hash alike, so the ops that read them can still be duplicates.
+    # Constants (ops on literals and other constants only) stay one per use, since each use may
+    # want its own sharding; equal ones hash alike, so the ops that read them can still be
+    # duplicates. A constant made once for two uses would join them: optax's global norm squares
+    # each real leaf's imaginary part, a broadcast zero, and one shared square tied every leaf of
+    # one shape to the others' shardings (a column-parallel wq split wo like it).
     const: dict[int, tuple] = {}
     hkey = lambda v: const.get(v) or (_find(parent, v) if v >= 0 else v)
     sigs = signature_ids(graph)
     for op in graph.ops:
         if in_copy[op.id]:
             continue
-        if all(v < 0 for v in op.operands) and op.body is None:
-            const.update({r: ("const", sigs[op.id], i) for i, r in enumerate(op.results)})
+        if op.body is None and all(v < 0 or v in const for v in op.operands):
+            made = (sigs[op.id], tuple(hkey(v) for v in op.operands))
+            const.update({r: ("const", made, i) for i, r in enumerate(op.results)})
             kept.append(op)
             continue
         key = (sigs[op.id], tuple(hkey(v) for v in op.operands), id(op.body) if op.body is not None else None)

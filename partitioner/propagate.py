@@ -60,7 +60,7 @@ class Propagation:
     def communication(self) -> list[Communication]:
         """What the assignment implies (`_communication`): found when first asked, as only a
         priced candidate needs it, not a tactic reading where an axis went."""
-        return _communication(self.graph, self.shardings, self.factor_axes, self.device_bytes)
+        return _communication(self.graph, self.shardings, self.factor_axes, self.device_bytes, _Products(self.mesh))
 
     @functools.cached_property
     def device_bytes(self) -> np.ndarray:
@@ -311,28 +311,64 @@ def _info(graph: Graph, op: Op) -> _OpInfo:
         carried,
         _reads(graph, op, by_size),
         _reads(graph, op, ranked(bwd)),
-        _writes(graph, fwd),
-        _writes(graph, bwd),
+        _writes(graph, op, fwd),
+        _writes(graph, op, bwd),
     )
 
 
-def _slots(dims, rank: int) -> tuple:
-    return tuple((d, factors[0]) for d, factors in enumerate(dims[:rank]) if factors)
+def _slots(op: Op, dims, rank: int) -> tuple:
+    """Per dimension that carries factors: (d, its major factor, the minor ones as `_minor`)."""
+    return tuple((d, factors[0], _minor(op, factors)) for d, factors in enumerate(dims[:rank]) if factors)
+
+
+def _minor(op: Op, factors: tuple[int, ...]) -> tuple:
+    """A dimension's factors after its major one, each (factor, size, product of those before it)."""
+    out, before = [], op.factors[factors[0]].size
+    for f in factors[1:]:
+        out.append((f, op.factors[f].size, before))
+        before *= op.factors[f].size
+    return tuple(out)
+
+
+def _landing(minor: tuple, t: int) -> int | None:
+    """The minor factor that a split of its dimension into `t` contiguous blocks lands on, where
+    the major one is too small to hold it: the first whose size `t` divides, where the factors
+    before it split whole (their product divides `t`). Eight query heads read as two K/V groups
+    of four, split four ways, are 2 x 2 blocks; the groups' factor stands for the split, with the
+    same bytes and work per device (named axes cannot be halved). None where it cuts across."""
+    for f, n, before in minor:
+        if t % before:
+            return None
+        if n % t == 0:
+            return f
+    return None
+
+
+def _landed(minor: tuple, assigned: Mapping[int, tuple], sizes) -> tuple | None:
+    """The axes a minor factor holds, where its dimension's split lands on it (`_landing`)."""
+    for f, n, before in minor:
+        axes = assigned.get(f)
+        if axes is not None:
+            t = sizes[axes]
+            return axes if t % before == 0 and n % t == 0 else None
+    return None
 
 
 def _reads(graph: Graph, op: Op, ranked) -> tuple:
-    """(value, bytes, ((d, factor, the factor's size), ...)) per value, in the order given."""
-    slots = lambda d, v: tuple((i, f, op.factors[f].size) for i, f in _slots(d, len(graph.values[v].shape)))
+    """(value, bytes, ((d, factor, the factor's size, minor), ...)) per value, in the order given."""
+    slots = lambda d, v: tuple(
+        (i, f, op.factors[f].size, minor) for i, f, minor in _slots(op, d, len(graph.values[v].shape))
+    )
     return tuple((v, n, slots(d, v)) for v, d, n in ranked)
 
 
-def _writes(graph: Graph, sides) -> tuple:
-    """(value, ((d, factor, the dimension's size), ...)) per value its dims match, in the order given."""
+def _writes(graph: Graph, op: Op, sides) -> tuple:
+    """(value, ((d, factor, the dimension's size, minor), ...)) per value its dims match, in the order given."""
     out = []
     for v, dims in sides:
         shape = graph.values[v].shape if v >= 0 else ()
         if v >= 0 and len(dims) == len(shape) and any(dims):
-            out.append((v, len(shape), tuple((d, f, shape[d]) for d, f in _slots(dims, len(dims)))))
+            out.append((v, len(shape), tuple((d, f, shape[d], minor) for d, f, minor in _slots(op, dims, len(dims)))))
     return tuple(out)
 
 
@@ -361,9 +397,15 @@ def _step(
         if gated and nbytes < info.largest:
             held.add(op.id)
             continue
-        for d, factor, size in slots:
+        for d, factor, size, minor in slots:
             axes = sharding[d]
-            if axes and factor not in assigned and size % sizes[axes] == 0:
+            if not axes:
+                continue
+            if size % sizes[axes]:  # the major factor cannot hold the split: a minor one may
+                factor = _landing(minor, sizes[axes])
+                if factor is None:
+                    continue
+            if factor not in assigned:
                 taken = [f for f, a in assigned.items() if not set(axes).isdisjoint(a)] if assigned else None
                 # An operand at least twice the size of the one that claimed the axis takes it
                 # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
@@ -386,11 +428,11 @@ def _step(
             continue
         current = shardings.get(value)
         proposed = None
-        for d, factor, n in slots:
+        for d, factor, n, minor in slots:
             if current is not None and current[d]:
                 continue
             axes = assigned.get(factor)
-            if axes is None:
+            if axes is None and (not minor or (axes := _landed(minor, assigned, sizes)) is None):
                 continue
             if proposed is None:
                 proposed = list(current) if current is not None else [()] * rank
@@ -409,7 +451,7 @@ def _step(
 _BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
 
 
-def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray) -> list[Communication]:
+def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes: _Products) -> list[Communication]:
     out = []
     static = _static(graph)
     scattered = static.moved_instead
@@ -427,23 +469,34 @@ def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray) -> li
             given = shardings.get(value)
             if given is None:
                 continue
-            for axes, factor in zip(given, factors):
-                if axes and tuple(axes) != (assigned.get(factor, ()) if factor is not None else ()):
+            for axes, slot in zip(given, factors):
+                if axes and tuple(axes) != _held(slot, assigned, sizes[axes]):
                     for moved in scattered.get(value, (value,)):
                         out.append(Communication(op_id, "reshard", moved, tuple(axes), int(size[moved])))
                     break
     return out
 
 
+def _held(slot, assigned: Mapping[int, tuple], t: int) -> tuple:
+    """The axes an op's factors give a dimension split `t` ways: its major factor's, or the minor
+    factor's that such a split lands on (`_landing`); () where none."""
+    if slot is None:
+        return ()
+    factor, size, minor = slot
+    if size % t and minor:
+        factor = _landing(minor, t)
+    return assigned.get(factor, ()) if factor is not None else ()
+
+
 def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]]:
     """Per op, what `_communication` reads of it: its REDUCE factors, and each operand that can
     need moving (not a literal, not computed from literals alone: made in any layout, for free)
-    with, per dimension, the factor it carries (None: none)."""
+    with, per dimension, the factors it carries ((major, its size, `_minor`); None: none)."""
     out = []
     for op in graph.ops:
         reduces = frozenset(f for f, factor in enumerate(op.factors) if factor.kind is FactorKind.REDUCE)
         reads = tuple(
-            (v, tuple(fs[0] if fs else None for fs in dims))
+            (v, tuple((fs[0], op.factors[fs[0]].size, _minor(op, fs)) if fs else None for fs in dims))
             for v, dims in zip(op.operands, op.operand_dims)
             if v >= 0 and v not in constant
         )

@@ -102,9 +102,28 @@ class Inputs:
         return _find_weights(self)
 
     @functools.cached_property
+    def weight_operands(self) -> set[tuple[int, int]]:
+        """(matmul, operand) pairs that read a state input, directly or through ops that carry a
+        weight unchanged (`_source`)."""
+        g, state = self.graph, set(state_values(self))
+        producer = {r: op for op in g.ops for r in op.results}
+        return {
+            (op.id, k)
+            for op in g.ops
+            if op.primitive == "dot_general"
+            for k, v in enumerate(op.operands)
+            if v >= 0 and _source(g, producer, state, v) is not None
+        }
+
+    @functools.cached_property
     def feeders(self) -> dict[int, set[int]]:
         """`_feeders` of the weights, found once."""
         return _feeders(self.graph, self.weights)
+
+    @functools.cached_property
+    def column_splits(self) -> dict[tuple[int, int], bool]:
+        """`_lasts` per (matmul, result dimension), found when first asked."""
+        return {}
 
     @functools.cached_property
     def megatron(self) -> dict:
@@ -499,8 +518,12 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
             dims = [d for d, ds in enumerate(w_dims) if ds and ds[0] in split]
         elif feeders[op.id] & column:  # row-parallel after a split the dataflow lost: the major contracted dim
             dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.REDUCE]
-        else:  # column-parallel: split an output dimension, the major one (heads, not head_dim)
-            dims = [d for d, ds in enumerate(w_dims) if kind(ds) is FactorKind.PASS and ds[0] not in shared]
+        else:  # column-parallel: split an output dimension whose split lasts, the major one (heads)
+            dims = [
+                d
+                for d, ds in enumerate(w_dims)
+                if kind(ds) is FactorKind.PASS and ds[0] not in shared and _lasts(inputs, op, ds[0])
+            ]
         shape = weight.shape(g)
         dims = [d for d in dims if shape[d] % t == 0]
         if not dims:
@@ -510,6 +533,64 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
         chosen[w] = weight.sharding(split_over(shape, dims[0], "model"))
         spread.add({w: chosen[w]})
     return chosen
+
+
+def _lasts(inputs: Inputs, op, factor: int) -> bool:
+    """Whether a column-parallel split of matmul `op`'s output along `factor` lasts to the next
+    matmuls on every path forward: not sliced away (a stacked K/V kernel's selector, read as
+    kv[0] and kv[1]) nor contracted against another activation (head_dim in q . k); a reduction,
+    a lookup along it (the labels' logits) or a matmul against a weight (Megatron's row-parallel
+    pair) keeps it. Where no output
+    dimension lasts (two K/V heads on a model axis of four), the weight stays whole, as
+    Megatron-LM replicates K/V heads fewer than its tensor-parallel degree."""
+    key = (op.id, factor)
+    if key not in inputs.column_splits:
+        dim = next((d for d, fs in enumerate(op.result_dims[0]) if fs and fs[0] == factor), None)
+        inputs.column_splits[key] = dim is not None and not _cut(inputs, op.results[0], dim)
+    return inputs.column_splits[key]
+
+
+def _cut(inputs: Inputs, value: int, dim: int, budget: int = 512) -> bool:
+    g, weights = inputs.graph, inputs.weight_operands
+    readers = _readers(g)
+    stack, seen = [(value, dim)], set()
+    while stack and len(seen) < budget:
+        v, d = stack.pop()
+        if (v, d) in seen:
+            continue
+        seen.add((v, d))
+        for op in readers.get(v, ()):
+            if op.body is not None or not op.results:  # a loop body or a tie: nothing to follow
+                continue
+            for k in (k for k, o in enumerate(op.operands) if o == v):
+                fs = op.operand_dims[k][d] if d < len(op.operand_dims[k]) else ()
+                if not fs:
+                    return True
+                f = fs[0]
+                if op.factors[f].kind is FactorKind.GATHER:  # a lookup along it (the labels' logits)
+                    continue
+                if op.factors[f].kind is FactorKind.REDUCE:
+                    if op.primitive == "dot_general" and (op.id, 1 - k) not in weights:
+                        return True
+                    continue
+                if op.primitive == "dot_general":
+                    continue
+                after = [
+                    (r, i) for r, rd in zip(op.results, op.result_dims) for i, rf in enumerate(rd) if rf and rf[0] == f
+                ]
+                if not after and not any(f in rf for rd in op.result_dims for rf in rd):
+                    return True
+                stack.extend(after)
+    return False
+
+
+def _readers(g: Graph) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for op in g.ops:
+        for v in dict.fromkeys(op.operands):
+            if v >= 0:
+                out.setdefault(v, []).append(op)
+    return out
 
 
 def _feeders(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:

@@ -228,3 +228,57 @@ def test_a_merged_heads_kernel_reshaped_to_heads_is_split_on_heads():
     tp = next(c for c in ranked if c.tactic == "megatron" and c.mesh["model"] == 4)
     p = plan_for(tp, step, (state, f32(16, 128, 512)))
     assert p.in_specs[0]["wq"] == P(None, "model") and p.in_specs[0]["wo"] == P("model"), p.in_specs[0]
+
+
+def megatron_specs(fn, args, model: int) -> dict:
+    """The Megatron tactic's decisions on data=8/model x model, by leaf path."""
+    from partitioner.tactics import _megatron, read_inputs
+
+    inputs = read_inputs(fn, args, None)
+    chosen = _megatron(inputs, {"data": 8 // model, "seq": 1, "model": model})
+    names = {v: "/".join(k) for v, k in zip(inputs.ids, inputs.keys)}
+    return {names[v]: s for v, s in chosen.items()}
+
+
+def test_same_shaped_weights_are_decided_apart_under_a_global_norm_clip():
+    """Equinox's (out, in) kernels (tests/corpus/equinox_scan.py), wq and wo both d x d, under
+    optax's clip_by_global_norm, which squares each real leaf's imaginary part, a broadcast zero.
+    Those constants stay one per use once folded: one shared square tied wo's gradient to wq's
+    split, which split the residual stream along d, and k, v, the MLP and the head went
+    row-parallel on it."""
+    from tests.corpus import load
+
+    module, options = load("equinox-scan-llama")
+    specs = megatron_specs(*module.build(layers=2, **options), model=2)
+    column, row = ((), ("model",), ()), ((), (), ("model",))
+    layer = {w: specs[f"0/blocks/{w}/weight"] for w in ("q", "k", "v", "o", "gate", "up", "down")}
+    assert layer == {"q": column, "k": column, "v": column, "o": row, "gate": column, "up": column, "down": row}
+    assert specs["0/head/weight"] == (("model",), ())
+
+
+def test_kv_heads_fewer_than_the_model_axis_stay_whole_and_stacked_selectors_are_not_split():
+    """Gemma's spelling (heads-first kernels, K and V stacked in one (2, K, D, H) kernel read as
+    kv[0], kv[1], two K/V heads): on a model axis of 2 the K/V heads are split, never the stacked
+    selector (a split the indexing throws away); on 4 they stay whole, as Megatron-LM replicates
+    K/V heads fewer than its degree, never head_dim (which q . k contracts); queries and the
+    output projection split on heads either way."""
+
+    def step(params, x):
+        def loss(p):
+            q = jnp.einsum("btd,ndh->btnh", x, p["q"])
+            kv = jnp.einsum("bsd,ckdh->cbskh", x, p["kv"])
+            qg = q.reshape(*q.shape[:2], 2, 4, 64)
+            probs = jax.nn.softmax(jnp.einsum("btkgh,bskh->btkgs", qg, kv[0]), axis=-1)
+            enc = jnp.einsum("btkgs,bskh->btkgh", probs, kv[1]).reshape(q.shape)
+            return jnp.einsum("btnh,nhd->btd", enc, p["o"]).mean()
+
+        g = jax.grad(loss)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), {}
+
+    params = {"q": f32(8, 512, 64), "kv": f32(2, 2, 512, 64), "o": f32(8, 64, 512)}
+    args = (params, f32(8, 128, 512))
+    two, four = megatron_specs(step, args, model=2), megatron_specs(step, args, model=4)
+    assert two["kv"] == ((), ("model",), (), ()), two
+    assert "kv" not in four, four
+    for specs in (two, four):
+        assert specs["q"] == (("model",), (), ()) and specs["o"] == (("model",), (), ()), specs

@@ -115,3 +115,26 @@ def test_a_price_beyond_the_bound_skips_the_peak_and_says_so():
     cost = estimate(p, h100)
     assert estimate(p, h100, beyond=cost.total_seconds) is None
     assert estimate(p, h100, beyond=cost.total_seconds * 1.001) == cost
+
+
+def test_a_heads_split_wider_than_the_kv_groups_lands_on_the_query_groups():
+    """Eight query heads read as two K/V groups of four (grouped-query attention against
+    un-repeated K/V), split four ways: 2 x 2 blocks, which XLA computes without moving anything.
+    The groups' factor stands for the split, so attention is priced split four ways, and the
+    heads merged back are split as they came, with nothing resharded."""
+
+    def attention(q, k):
+        b, s = q.shape[:2]
+        grouped = q.reshape(b, s, 2, 4, 64)
+        probs = jax.nn.softmax(jnp.einsum("bskgd,btkd->bkgst", grouped, k), axis=-1)
+        return jnp.einsum("bkgst,btkd->bskgd", probs, k).reshape(b, s, 8, 64)
+
+    g = capture(attention, f32(2, 16, 8, 64), f32(2, 16, 2, 64))
+    q, k = g.inputs
+    p = propagate(g, {q: ((), (), ("model",), ())}, MESH)
+    grouped = producer_of(g, "reshape", 0).results[0]
+    assert p.shardings[grouped] == ((), (), (), ("model",), ())
+    logits = producer_of(g, "dot_general", 0).results[0]
+    assert ("model",) in p.shardings[logits]
+    assert p.shardings[g.outputs[0]] == ((), (), ("model",), ())
+    assert not [c for c in p.communication if c.kind == "reshard"], p.communication

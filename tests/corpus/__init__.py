@@ -22,6 +22,10 @@ CORPUS = {
     "resnet": ("convnet", {}),
     "equinox-gpt": ("equinox_gpt", {}),
     "custom-vjp-gpt": ("custom_vjp_gpt", {}),
+    "gemma": ("gemma", {}),
+    "hf-gpt2": ("hf_gpt2", {}),
+    "nnx-scan-llama": ("nnx_scan", {}),
+    "equinox-scan-llama": ("equinox_scan", {}),
 }
 
 # Written as a Python loop over layers (the folding check of plan time against depth applies).
@@ -35,8 +39,10 @@ LOOPED = (
     "vit",
     "equinox-gpt",
     "custom-vjp-gpt",
+    "gemma",
+    "hf-gpt2",
 )
-SCANNED = ("linen-scan-gpt", "maxtext-scan")
+SCANNED = ("linen-scan-gpt", "maxtext-scan", "nnx-scan-llama", "equinox-scan-llama")
 
 
 def load(name: str):
