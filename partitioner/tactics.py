@@ -104,15 +104,17 @@ class Inputs:
     @functools.cached_property
     def weight_operands(self) -> set[tuple[int, int]]:
         """(matmul, operand) pairs that read a state input, directly or through ops that carry a
-        weight unchanged (`_source`)."""
+        weight unchanged (`_source`), backward passes included: a scanned step's backward reads
+        each layer's cast weight as a residual its forward stacked."""
         g, state = self.graph, set(state_values(self))
         producer = {r: op for op in g.ops for r in op.results}
+        carries = _CARRIES_WEIGHT | {"scan_stack"}
         return {
             (op.id, k)
             for op in g.ops
             if op.primitive == "dot_general"
             for k, v in enumerate(op.operands)
-            if v >= 0 and _source(g, producer, state, v) is not None
+            if v >= 0 and _source(g, producer, state, v, carries) is not None
         }
 
     @functools.cached_property
@@ -427,14 +429,16 @@ _CARRIES_WEIGHT = {
 }
 
 
-def _source(g: Graph, producer: Mapping[int, Op], state: Collection[int], v: int) -> tuple[int, tuple[int, ...]] | None:
-    """The state input `v` is read from, through ops that carry a weight unchanged, and per
-    dimension of `v` the input's dimension it is (by the factors each op ties them with)."""
+def _source(
+    g: Graph, producer: Mapping[int, Op], state: Collection[int], v: int, carries: Collection[str] = _CARRIES_WEIGHT
+) -> tuple[int, tuple[int, ...]] | None:
+    """The state input `v` is read from, through ops that carry a weight unchanged (`carries`),
+    and per dimension of `v` the input's dimension it is (by the factors each op ties them with)."""
     rank = len(g.values[v].shape)
     dims = tuple(range(rank))
     while v not in state:
         op = producer.get(v)
-        if op is None or op.primitive not in _CARRIES_WEIGHT or op.body is not None:
+        if op is None or op.primitive not in carries or op.body is not None:
             return None
         (src, src_dims) = next(((o, d) for o, d in zip(op.operands, op.operand_dims) if o >= 0), (None, None))
         if src is None:
@@ -564,24 +568,33 @@ def _cut(inputs: Inputs, value: int, dim: int, budget: int = 512) -> bool:
                 continue
             for k in (k for k, o in enumerate(op.operands) if o == v):
                 fs = op.operand_dims[k][d] if d < len(op.operand_dims[k]) else ()
-                if not fs:
-                    return True
-                f = fs[0]
-                if op.factors[f].kind is FactorKind.GATHER:  # a lookup along it (the labels' logits)
-                    continue
-                if op.factors[f].kind is FactorKind.REDUCE:
-                    if op.primitive == "dot_general" and (op.id, 1 - k) not in weights:
+                kind = op.factors[fs[0]].kind if fs else None
+                if op.primitive == "dot_general":
+                    if kind is FactorKind.REDUCE and (op.id, 1 - k) not in weights:
                         return True
                     continue
-                if op.primitive == "dot_general":
+                if kind in (FactorKind.REDUCE, FactorKind.GATHER):  # a reduction or a lookup along it
                     continue
-                after = [
-                    (r, i) for r, rd in zip(op.results, op.result_dims) for i, rf in enumerate(rd) if rf and rf[0] == f
-                ]
-                if not after and not any(f in rf for rd in op.result_dims for rf in rd):
+                after = _goes_on(g, op, fs[0] if fs else None, len(g.values[v].shape), d)
+                if after is None:
                     return True
                 stack.extend(after)
     return False
+
+
+def _goes_on(g: Graph, op, factor: int | None, rank: int, d: int) -> list[tuple[int, int]] | None:
+    """Where dimension `d` (carrying `factor` into `op`) goes on in `op`'s results: the dims
+    its factor leads; else, where `op` cuts it into pieces longer than one (RoPE's halves, a
+    fused QKV cut in three by `jnp.split`), each piece's; [] where it goes on as a minor factor
+    (not followed). None where it is indexed away (kv[0]: a piece of one)."""
+    if factor is not None:
+        led = [
+            (r, i) for r, dims in zip(op.results, op.result_dims) for i, fs in enumerate(dims) if fs and fs[0] == factor
+        ]
+        if led or any(factor in fs for dims in op.result_dims for fs in dims):
+            return led
+    pieces = [r for r in op.results if len(g.values[r].shape) == rank and g.values[r].shape[d] > 1]
+    return [(r, d) for r in pieces] or None
 
 
 def _readers(g: Graph) -> dict[int, list]:

@@ -256,6 +256,20 @@ def test_same_shaped_weights_are_decided_apart_under_a_global_norm_clip():
     assert specs["0/head/weight"] == (("model",), ())
 
 
+def test_scanned_layers_pair_column_and_row_through_the_backward_residuals():
+    """Flax NNX layers made by nnx.vmap and run by nnx.scan (tests/corpus/nnx_scan.py), kernels
+    (in, out): a scan's backward reads each layer's cast weight as a residual its forward
+    stacked, and a split that meets it there is met by a weight (row-parallel), not cut."""
+    from tests.corpus import load
+
+    module, options = load("nnx-scan-llama")
+    specs = megatron_specs(*module.build(layers=2, **options), model=2)
+    column, row = ((), (), ("model",)), ((), ("model",), ())
+    layer = {w: specs[f"0/layers/{w}/kernel/value"] for w in ("wq", "wk", "wv", "wo", "w1", "w3", "w2")}
+    assert layer == {"wq": column, "wk": column, "wv": column, "wo": row, "w1": column, "w3": column, "w2": row}
+    assert specs["0/lm_head/kernel/value"] == ((), ("model",))
+
+
 def test_kv_heads_fewer_than_the_model_axis_stay_whole_and_stacked_selectors_are_not_split():
     """Gemma's spelling (heads-first kernels, K and V stacked in one (2, K, D, H) kernel read as
     kv[0], kv[1], two K/V heads): on a model axis of 2 the K/V heads are split, never the stacked
