@@ -13,7 +13,8 @@ the memory model computes, extended along the line through the two.
 
 What the step closes over is cut alike where it holds the depth as people hold it
 (`stacks.with_free_variables_resized`): Equinox's static half of the model, a Flax NNX graphdef,
-a Flax Linen module's or a config's layer count. A step that reads its depth elsewhere (a module
+a Flax Linen module's or a config's layer count; and so is what the arguments hold outside their
+pytree (`stacks.statics_resized`): a Flax TrainState's `apply_fn`, a Linen module's bound `apply`. A step that reads its depth elsewhere (a module
 constant) fails to trace shallow, or folds to different graphs, and is traced whole.
 """
 
@@ -32,7 +33,15 @@ from .capture import capture
 from .fold import MIN_PERIOD, Fold, fold
 from .ir import CaptureError, Graph
 from .repeats import find_repeats, repeats, signature_ids
-from .stacks import key_names, resized, source_leaves, stacks, with_free_variables_resized
+from .stacks import (
+    key_names,
+    resized,
+    source_leaves,
+    stacks,
+    statics_resized,
+    statics_restored,
+    with_free_variables_resized,
+)
 
 SHALLOW = (3, 4)  # layers per stack in the two traces
 
@@ -124,11 +133,13 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)
     (depth,) = depths
-    traced, folding, memo = [], 0.0, {}
+    traced, folding, memo, swaps = [], 0.0, {}, {}
     for k in SHALLOW:
         args = resized(abstract, found, k)
         if args is None:
             return None
+        args, swapped = statics_resized(args, found, depth, k)
+        swaps.update(swapped)
         try:
             graph = capture(with_free_variables_resized(fn, found, depth, k, abstract, memo), *args, compact=True)
         except CaptureError:
@@ -153,7 +164,7 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
     mult = _deep_mult(f1.mult, f2.mult, of_shallow, line)
     if any(m < 0 for m in mult):
         return None
-    graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=outputs[1])
+    graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=statics_restored(outputs[1], swaps))
     unmatched = _unmatched_scalars(f1.graph, of_shallow)
     deep = Deepened(f1, f2, graph, mult, to_shallow, unmatched, depths, times, line(f1.original_ops, f2.original_ops))
     return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, folding)

@@ -128,6 +128,58 @@ def _resized_container(tree, s: Stack, found, depth: int, path):
         raise _Unbuildable(path) from e
 
 
+def statics_resized(tree, found: Sequence[Stack], depth: int, k: int) -> tuple:
+    """`tree` with what its dataclass nodes hold outside the pytree cut to `k` alike: a Flax
+    TrainState's `apply_fn`, the bound `apply` of a Linen module whose layer count is `depth`,
+    cut as a closed-over module is; and the swaps made (the cut module's id -> (it, the
+    original)), for `statics_restored`."""
+    swaps: dict[int, tuple] = {}
+
+    def node(n):
+        updates = {}
+        for name, v in _static_fields(n):
+            if isinstance(v, types.MethodType):
+                cut = _free_value_resized(v.__self__, found, depth, k)
+                if cut is not v.__self__:
+                    updates[name] = types.MethodType(v.__func__, cut)
+                    swaps[id(cut)] = (cut, v)
+        return dataclasses.replace(n, **updates) if updates else n
+
+    return _map_nodes(tree, node), swaps
+
+
+def statics_restored(tree, swaps: Mapping[int, tuple]):
+    """`tree` (a shallow trace's output) with the originals back where `statics_resized` swapped
+    (the new TrainState carries the cut `apply_fn`; the step's own output, the real one)."""
+
+    def node(n):
+        updates = {
+            name: swaps[id(v.__self__)][1]
+            for name, v in _static_fields(n)
+            if isinstance(v, types.MethodType) and id(v.__self__) in swaps
+        }
+        return dataclasses.replace(n, **updates) if updates else n
+
+    return _map_nodes(tree, node) if swaps else tree
+
+
+def _static_fields(n) -> list[tuple[str, object]]:
+    """A dataclass pytree node's fields kept outside the pytree (Flax's `pytree_node=False`)."""
+    if isinstance(n, type) or not dataclasses.is_dataclass(n):
+        return []
+    return [
+        (f.name, getattr(n, f.name, None)) for f in dataclasses.fields(n) if not f.metadata.get("pytree_node", True)
+    ]
+
+
+def _map_nodes(tree, fn):
+    """`fn` applied to every node of `tree` that is not a leaf, children first."""
+    flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda y: y is not tree)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return tree
+    return fn(jax.tree_util.tree_unflatten(treedef, [_map_nodes(c, fn) for c in flat]))
+
+
 def source_leaves(full, shallow, found: Sequence[Stack], depth: int) -> list[int] | None:
     """Per leaf of `full`, the index of the leaf of `shallow` (the same tree with its stacks
     `depth` deep) that stands for it: a member beyond the shallow ones is its last member."""

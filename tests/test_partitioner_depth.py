@@ -99,6 +99,26 @@ def test_a_depth_held_outside_the_arguments_is_cut_alike(name, monkeypatch):
             assert got.communication_seconds == pytest.approx(cost.communication_seconds, rel=1e-9), (mesh, tactic)
 
 
+def test_a_train_states_apply_fn_is_cut_with_the_arguments(monkeypatch):
+    """Flax's TrainState holds the model's `apply` outside its pytree (`apply_fn`, a Linen
+    module's bound method, the module holding the depth): cut with the arguments, every candidate
+    is priced as from the whole step, and the plan's output tree is the step's own, with the
+    real `apply_fn` back in the new state (tests/corpus/hf_gpt2.py)."""
+    for mesh, (shallow, whole) in zip(MESHES, _priced_both_ways("hf-gpt2", monkeypatch)):
+        assert shallow.keys() == whole.keys(), mesh
+        for tactic, cost in whole.items():
+            assert shallow[tactic].collective_bytes == cost.collective_bytes, (mesh, tactic)
+            assert shallow[tactic].peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
+            assert shallow[tactic].total_seconds == pytest.approx(cost.total_seconds, rel=1e-9), (mesh, tactic)
+    module, options = load("hf-gpt2")
+    fn, args = module.build(layers=10, **options)
+    monkeypatch.undo()
+    inputs = read_inputs(fn, args, None)
+    assert isinstance(inputs.fold, depth.Deepened)
+    assert jax.tree.structure(inputs.graph.out_shape) == jax.tree.structure(jax.eval_shape(fn, *args))
+    assert inputs.graph.out_shape[0].apply_fn == args[0].apply_fn
+
+
 def block(p, x):
     """A layer long enough to fold (`fold.MIN_PERIOD` ops)."""
     h = jax.nn.gelu(x @ p["w"]) * p["norm"]
