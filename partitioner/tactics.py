@@ -489,7 +489,7 @@ def _megatron(
     for every copy (TAP). The decisions read only where the model axis goes, which the batch's
     axes never contest (they split other dimensions), so they are made on the model axis alone,
     once per model size and preset, for every mesh (the same decisions as with the batch beside
-    them on all 150 cases of the corpus's 15 models on five meshes)."""
+    them on all 150 cases of the corpus's first 15 models on five meshes)."""
     key = (mesh["model"], tuple(sorted((preset or {}).items())))
     if key not in inputs.megatron:
         alone = {axis: 1 for axis in mesh} | {"model": mesh["model"]}
