@@ -14,8 +14,9 @@ the memory model computes, extended along the line through the two.
 What the step closes over is cut alike where it holds the depth as people hold it
 (`stacks.with_free_variables_resized`): Equinox's static half of the model, a Flax NNX graphdef,
 a Flax Linen module's or a config's layer count; and so is what the arguments hold outside their
-pytree (`stacks.statics_resized`): a Flax TrainState's `apply_fn`, a Linen module's bound `apply`. A step that reads its depth elsewhere (a module
-constant) fails to trace shallow, or folds to different graphs, and is traced whole.
+pytree (`stacks.statics_resized`): a Flax TrainState's `apply_fn`, a Linen module's bound `apply`.
+A step that reads its depth elsewhere (a module constant) fails to trace shallow, or folds to
+different graphs, and is traced whole.
 """
 
 from __future__ import annotations

@@ -345,13 +345,10 @@ def _landing(minor: tuple, t: int) -> int | None:
 
 
 def _landed(minor: tuple, assigned: Mapping[int, tuple], sizes) -> tuple | None:
-    """The axes a minor factor holds, where its dimension's split lands on it (`_landing`)."""
-    for f, n, before in minor:
-        axes = assigned.get(f)
-        if axes is not None:
-            t = sizes[axes]
-            return axes if t % before == 0 and n % t == 0 else None
-    return None
+    """The axes of the first minor factor given some, where its dimension's split lands on it
+    (`_landing`)."""
+    f, axes = next(((f, assigned[f]) for f, _, _ in minor if f in assigned), (None, None))
+    return axes if f is not None and _landing(minor, sizes[axes]) == f else None
 
 
 def _reads(graph: Graph, op: Op, ranked) -> tuple:

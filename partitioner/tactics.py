@@ -102,19 +102,33 @@ class Inputs:
         return _find_weights(self)
 
     @functools.cached_property
+    def producer(self) -> dict[int, Op]:
+        """Value -> the op of the folded graph that makes it."""
+        return {r: op for op in self.graph.ops for r in op.results}
+
+    @functools.cached_property
+    def readers(self) -> dict[int, list[Op]]:
+        """Value -> the ops of the folded graph that read it, each once."""
+        out: dict[int, list[Op]] = {}
+        for op in self.graph.ops:
+            for v in dict.fromkeys(op.operands):
+                if v >= 0:
+                    out.setdefault(v, []).append(op)
+        return out
+
+    @functools.cached_property
     def weight_operands(self) -> set[tuple[int, int]]:
         """(matmul, operand) pairs that read a state input, directly or through ops that carry a
         weight unchanged (`_source`), backward passes included: a scanned step's backward reads
         each layer's cast weight as a residual its forward stacked."""
         g, state = self.graph, set(state_values(self))
-        producer = {r: op for op in g.ops for r in op.results}
         carries = _CARRIES_WEIGHT | {"scan_stack"}
         return {
             (op.id, k)
             for op in g.ops
             if op.primitive == "dot_general"
             for k, v in enumerate(op.operands)
-            if v >= 0 and _source(g, producer, state, v, carries) is not None
+            if v >= 0 and _source(g, self.producer, state, v, carries) is not None
         }
 
     @functools.cached_property
@@ -458,9 +472,8 @@ def weights_in_order(inputs: Inputs) -> list[Weight]:
 
 
 def _find_weights(inputs: Inputs) -> list[Weight]:
-    g = inputs.graph
+    g, producer = inputs.graph, inputs.producer
     state = set(state_values(inputs))
-    producer = {r: op for op in g.ops for r in op.results}
     seen, out = set(), []
     for op in g.ops:
         if op.primitive != "dot_general":
@@ -544,9 +557,8 @@ def _lasts(inputs: Inputs, op, factor: int) -> bool:
     matmuls on every path forward: not sliced away (a stacked K/V kernel's selector, read as
     kv[0] and kv[1]) nor contracted against another activation (head_dim in q . k); a reduction,
     a lookup along it (the labels' logits) or a matmul against a weight (Megatron's row-parallel
-    pair) keeps it. Where no output
-    dimension lasts (two K/V heads on a model axis of four), the weight stays whole, as
-    Megatron-LM replicates K/V heads fewer than its tensor-parallel degree."""
+    pair) keeps it. Where no output dimension lasts (two K/V heads on a model axis of four), the
+    weight stays whole, as Megatron-LM replicates K/V heads fewer than its tensor-parallel degree."""
     key = (op.id, factor)
     if key not in inputs.column_splits:
         dim = next((d for d, fs in enumerate(op.result_dims[0]) if fs and fs[0] == factor), None)
@@ -555,8 +567,7 @@ def _lasts(inputs: Inputs, op, factor: int) -> bool:
 
 
 def _cut(inputs: Inputs, value: int, dim: int, budget: int = 512) -> bool:
-    g, weights = inputs.graph, inputs.weight_operands
-    readers = _readers(g)
+    g, weights, readers = inputs.graph, inputs.weight_operands, inputs.readers
     stack, seen = [(value, dim)], set()
     while stack and len(seen) < budget:
         v, d = stack.pop()
@@ -595,15 +606,6 @@ def _goes_on(g: Graph, op, factor: int | None, rank: int, d: int) -> list[tuple[
             return led
     pieces = [r for r in op.results if len(g.values[r].shape) == rank and g.values[r].shape[d] > 1]
     return [(r, d) for r in pieces] or None
-
-
-def _readers(g: Graph) -> dict[int, list]:
-    out: dict[int, list] = {}
-    for op in g.ops:
-        for v in dict.fromkeys(op.operands):
-            if v >= 0:
-                out.setdefault(v, []).append(op)
-    return out
 
 
 def _feeders(g: Graph, weights: list[Weight]) -> dict[int, set[int]]:

@@ -23,6 +23,11 @@ def rope(x, theta=10000.0):  # x: (s, h, d)
     return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
+def seqwise(lin: eqx.nn.Linear, x):
+    """A linear layer's weight, cast to bfloat16, applied to each row of `x` (its bias unused)."""
+    return jax.vmap(lambda r: lin.weight.astype(jnp.bfloat16) @ r)(x)
+
+
 class RMSNorm(eqx.Module):
     weight: jax.Array
 
@@ -60,18 +65,16 @@ class Block(eqx.Module):
 
     def attend(self, x):  # x: (s, e) in bfloat16
         s = x.shape[0]
-        seqwise = lambda lin: jax.vmap(lambda t: lin.weight.astype(jnp.bfloat16) @ t)
-        q = seqwise(self.q)(x).reshape(s, self.heads, -1)
-        k = seqwise(self.k)(x).reshape(s, self.kv_heads, -1)
-        v = seqwise(self.v)(x).reshape(s, self.kv_heads, -1)
+        q = seqwise(self.q, x).reshape(s, self.heads, -1)
+        k = seqwise(self.k, x).reshape(s, self.kv_heads, -1)
+        v = seqwise(self.v, x).reshape(s, self.kv_heads, -1)
         out = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True)
-        return seqwise(self.o)(out.reshape(s, -1))
+        return seqwise(self.o, out.reshape(s, -1))
 
     def __call__(self, x):
         x = x + self.attend(jax.vmap(self.n1)(x))
         y = jax.vmap(self.n2)(x)
-        mm = lambda lin, t: jax.vmap(lambda r: lin.weight.astype(jnp.bfloat16) @ r)(t)
-        return x + mm(self.down, jax.nn.silu(mm(self.gate, y)) * mm(self.up, y))
+        return x + seqwise(self.down, jax.nn.silu(seqwise(self.gate, y)) * seqwise(self.up, y))
 
 
 class Llama(eqx.Module):
@@ -97,7 +100,7 @@ class Llama(eqx.Module):
 
         x, _ = jax.lax.scan(layer, x, dynamic)
         x = jax.vmap(self.norm)(x)
-        return jax.vmap(lambda r: self.head.weight.astype(jnp.bfloat16) @ r)(x).astype(jnp.float32)
+        return seqwise(self.head, x).astype(jnp.float32)
 
 
 def build(layers=2, c=CFG):
