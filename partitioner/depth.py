@@ -17,11 +17,16 @@ a Flax Linen module's or a config's layer count; and so is what the arguments ho
 pytree (`stacks.statics_resized`): a Flax TrainState's `apply_fn`, a Linen module's bound `apply`.
 A step that reads its depth elsewhere (a module constant) fails to trace shallow, or folds to
 different graphs, and is traced whole.
+
+Layers that alternate (local and global attention every other layer) fold to different graphs at
+3 and 4 layers, as half patterns do; such a step is traced at whole patterns (`PERIODS`), 6 and 8
+layers, and a real layer's weights planned as those at its place in the last traced pattern.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -44,7 +49,10 @@ from .stacks import (
     with_free_variables_resized,
 )
 
-SHALLOW = (3, 4)  # layers per stack in the two traces
+SHALLOW = (3, 4)  # layers per stack in the two traces, for a stack of one kind of layer
+PERIODS = (1, 2)  # layers in the stack's repeating pattern: one, or two alternating (local and
+# global attention in Gemma 2), each traced SHALLOW times as many layers deep, while that is
+# shallower than the step itself
 
 
 @dataclasses.dataclass
@@ -128,14 +136,30 @@ class Shallow:
 
 def shallow(fn, abstract: tuple) -> Shallow | None:
     """`fn(*abstract)` planned from two shallow traces, or None where its arguments hold no stack
-    deep enough or the step does not follow them (`depth` module docstring)."""
+    deep enough or the step does not follow them (`depth` module docstring). Layers that alternate
+    fold differently at odd and even depths; they are traced to whole patterns (`PERIODS`)."""
     found = stacks(abstract)
     depths = {s.depth for s in found}
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)
     (depth,) = depths
+    for period in PERIODS:
+        pair = (SHALLOW[0] * period, SHALLOW[1] * period)
+        if pair[1] >= depth:
+            break
+        if depth % period:
+            continue  # half a pattern at the end: its layers' counts are not on the line
+        out = _traced_pair(fn, abstract, found, depth, pair, period)
+        if out is not None:
+            return out
+    return None
+
+
+def _traced_pair(fn, abstract: tuple, found, depth: int, pair: tuple[int, int], period: int) -> Shallow | None:
+    """`shallow` from traces at the two depths in `pair`, or None where they do not fold to the same
+    graph or their timelines cannot be matched."""
     traced, folding, memo, swaps = [], 0.0, {}, {}
-    for k in SHALLOW:
+    for k in pair:
         args = resized(abstract, found, k)
         if args is None:
             return None
@@ -152,17 +176,17 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
         folding += time.perf_counter() - t
     (_, g1, _, f1), (args2, g2, leaves2, f2) = traced
     matched = _same_graph(f1.graph, f2.graph)
-    times = _matched_times(g1, g2)
+    times = _matched_times(g1, g2) if matched is not None else None
     if matched is None or times is None:
         return None
     to_shallow, of_shallow = matched
-    sources = source_leaves(abstract, args2, found, SHALLOW[1])
-    outputs = _deep_outputs(g1.out_shape, g2.out_shape, f2.graph.outputs, depth)
+    sources = source_leaves(abstract, args2, found, pair[1], period)
+    outputs = _deep_outputs(g1.out_shape, g2.out_shape, f2.graph.outputs, pair, period, depth)
     if sources is None or outputs is None:
         return None
-    depths = (*SHALLOW, depth)
+    depths = (*pair, depth)
     line = lambda x1, x2: int(round(_along(x1, x2, depths)))  # noqa: E731
-    mult = _deep_mult(f1.mult, f2.mult, of_shallow, line)
+    mult = _deep_mult(f1.graph, f2.graph, f1.mult, f2.mult, of_shallow, line)
     if any(m < 0 for m in mult):
         return None
     graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=statics_restored(outputs[1], swaps))
@@ -222,23 +246,42 @@ def _unmatched_scalars(g1: Graph, of_shallow: Sequence[int | None]) -> dict[int,
     return {v: g1.values[v].nbytes for op in g1.ops if op.id not in matched for v in op.results}
 
 
-def _deep_mult(mult1: Sequence[int], mult2: Sequence[int], of_shallow: Sequence[int | None], line) -> list[int]:
+def _deep_mult(g1: Graph, g2: Graph, mult1: Sequence[int], mult2: Sequence[int], of_shallow, line) -> list[int]:
     """Each deeper op's multiplicity at the step's depth: along the line through its match's and
-    its own; ops without a match (`_same_graph`) share the line of their total."""
-    alone2 = sum(m for m, o in zip(mult2, of_shallow) if o is None)
+    its own. Ops without a match (`_same_graph`) are counted by signature, the ops of one cost
+    alike: each signature's total along the line through its totals, shared among its ops in
+    proportion (a scalar chain cut into other links, the schedule's ops once a step)."""
     matched1 = {o for o in of_shallow if o is not None}
-    alone1 = sum(m for i, m in enumerate(mult1) if i not in matched1)
-    scale = line(alone1, alone2) / alone2 if alone2 else 1.0
-    return [line(mult1[o], m) if o is not None else int(round(m * scale)) for m, o in zip(mult2, of_shallow)]
+    total1, total2 = Counter(), Counter()
+    for op in g1.ops:
+        if op.id not in matched1:
+            total1[_sig(op, g1)] += mult1[op.id]
+    for op, o in zip(g2.ops, of_shallow):
+        if o is None:
+            total2[_sig(op, g2)] += mult2[op.id]
+    scale = {s: line(total1[s], n) / n for s, n in total2.items() if n}
+    out, running = [], Counter()  # per signature: the deeper ops counted so far, and their share
+    for op, m, o in zip(g2.ops, mult2, of_shallow):
+        if o is not None:
+            out.append(line(mult1[o], m))
+            continue
+        s = _sig(op, g2)
+        before = round(running[s] * scale.get(s, 1.0))
+        running[s] += m
+        out.append(round(running[s] * scale.get(s, 1.0)) - before)
+    return out
 
 
 def _matched_times(g1: Graph, g2: Graph) -> tuple[np.ndarray, np.ndarray] | None:
     """The times of two shallow timelines that stand for the same moment of any deeper one: by
     the runs of repeated blocks that capture built and replayed, or else by those found on the
-    timelines themselves (the two can cut the same repeats differently); at the last, with the
-    ops on scalars alone left out (`_same_graph`)."""
+    timelines themselves (the two can cut the same repeats differently), or else by runs of
+    blocks of any length (an optimizer's step over a layer of fewer than MIN_PERIOD leaves, one
+    op per leaf, is a run as long as the stack); at the last, with the ops on scalars alone left
+    out (`_same_graph`)."""
+    short = functools.partial(_timeline_landmarks, min_period=1)
     for skip_scalars in (False, True):
-        for landmarks in (_built_landmarks, _timeline_landmarks):
+        for landmarks in (_built_landmarks, _timeline_landmarks, short):
             k1, k2 = landmarks(g1, skip_scalars), landmarks(g2, skip_scalars)
             if k1 is not None and k2 is not None and k1.keys() == k2.keys():
                 return np.array(list(k1.values()), dtype=np.int64), np.array([k2[k] for k in k1], dtype=np.int64)
@@ -267,16 +310,16 @@ def _built_landmarks(graph: Graph, skip_scalars: bool) -> dict[tuple, int] | Non
     return _landmarks(spans, t.end, _scalar_times(graph, t) if skip_scalars else None)
 
 
-def _timeline_landmarks(graph: Graph, skip_scalars: bool) -> dict[tuple, int]:
+def _timeline_landmarks(graph: Graph, skip_scalars: bool, min_period: int = MIN_PERIOD) -> dict[tuple, int]:
     """`_landmarks` of the runs of repeated blocks found on the unrolled timeline, of at least
-    as many copies as the shallower trace has layers: a pair of layer runs and what lies between
+    as many copies as the shallower trace has layers (or patterns of layers): a pair of layer runs and what lies between
     them can repeat twice, and would be found in place of the runs at one depth and not at the
     other (a run of layers under `jax.checkpoint` and its recomputation)."""
     t = memory.table(graph)
     order = np.argsort(t.time, kind="stable")
     sigs = np.asarray(signature_ids(graph), dtype=np.int64)[t.source[order]]
     anchor = [graph.ops[i].primitive == "dot_general" for i in t.source[order].tolist()]
-    spans = [(r.start, r.stop, r.period) for r in repeats(sigs, anchor, SHALLOW[0], MIN_PERIOD)]
+    spans = [(r.start, r.stop, r.period) for r in repeats(sigs, anchor, SHALLOW[0], min_period)]
     return _landmarks(spans, t.end, _scalar_times(graph, t) if skip_scalars else None)
 
 
@@ -305,10 +348,10 @@ def _landmarks(spans: list[tuple[int, int, int]], end: int, skip: np.ndarray | N
     return keys
 
 
-def _deep_outputs(out1, out2, values2: Sequence[int], depth: int):
+def _deep_outputs(out1, out2, values2: Sequence[int], pair: tuple[int, int], period: int, depth: int):
     """(value per output leaf, output tree) of the depth-L step: the deeper trace's outputs with
-    each stack that grew from one trace to the other grown to `depth`."""
-    a, b = SHALLOW
+    each stack that grew from one trace to the other (at the depths in `pair`) grown to `depth`."""
+    a, b = pair
     shallower = stacks(out1, min_depth=a)
     grown = [
         dataclasses.replace(s, depth=depth)
@@ -318,7 +361,7 @@ def _deep_outputs(out1, out2, values2: Sequence[int], depth: int):
     tree = resized(out2, grown, depth) if grown else out2
     if tree is None:
         return None
-    sources = source_leaves(tree, out2, grown, b)
+    sources = source_leaves(tree, out2, grown, b, period)
     if sources is None:
         return None
     return [values2[i] for i in sources], tree

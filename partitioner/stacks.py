@@ -180,9 +180,10 @@ def _map_nodes(tree, fn):
     return fn(jax.tree_util.tree_unflatten(treedef, [_map_nodes(c, fn) for c in flat]))
 
 
-def source_leaves(full, shallow, found: Sequence[Stack], depth: int) -> list[int] | None:
+def source_leaves(full, shallow, found: Sequence[Stack], depth: int, period: int = 1) -> list[int] | None:
     """Per leaf of `full`, the index of the leaf of `shallow` (the same tree with its stacks
-    `depth` deep) that stands for it: a member beyond the shallow ones is its last member."""
+    `depth` deep) that stands for it: a member beyond the shallow ones is the member at its place
+    in the last whole pattern of `period` layers (the last member, for a stack of one kind)."""
     index = {key_names(keys): i for i, (keys, _) in enumerate(jax.tree_util.tree_flatten_with_path(shallow)[0])}
     out = []
     for keys, _ in jax.tree_util.tree_flatten_with_path(full)[0]:
@@ -192,7 +193,7 @@ def source_leaves(full, shallow, found: Sequence[Stack], depth: int) -> list[int
             if tuple(names[:n]) == s.path and len(names) > n:
                 i = _index(s, names[n])
                 if i is not None and i >= depth:
-                    names[n] = names[n][: len(names[n]) - len(str(i))] + str(depth - 1)
+                    names[n] = names[n][: len(names[n]) - len(str(i))] + str(depth - period + i % period)
         src = index.get(tuple(names))
         if src is None:
             return None

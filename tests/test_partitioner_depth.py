@@ -55,16 +55,24 @@ def test_resized_cuts_and_grows_and_maps_leaves_back():
     for f, s in zip(full, sources):
         if "layers_7" in f:
             assert names[s] == f.replace("layers_7", "layers_2")
+    # Alternating layers stand in by their place in the last whole pattern.
+    pairs = stacks.resized((tree,), found, 4)
+    sources = stacks.source_leaves((tree,), pairs, found, 4, period=2)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(pairs)[0]]
+    for f, s in zip(full, sources):
+        for deep, stand_in in (("layers_7", "layers_3"), ("layers_8", "layers_2"), ("layers_1", "layers_1")):
+            if deep in f:
+                assert names[s] == f.replace(deep, stand_in)
 
 
 MESHES = ({"data": 8, "seq": 1, "model": 1}, {"data": 2, "seq": 1, "model": 4})
 
 
-def _priced_both_ways(name, monkeypatch) -> list[tuple[dict, dict]]:
-    """Per mesh of MESHES, every candidate's cost (tactic -> cost) for a corpus model of 10
+def _priced_both_ways(name, monkeypatch, layers=10) -> list[tuple[dict, dict]]:
+    """Per mesh of MESHES, every candidate's cost (tactic -> cost) for a corpus model of `layers`
     layers, planned from shallow traces and from a trace of the whole step."""
     module, options = load(name)
-    fn, args = module.build(layers=10, **options)
+    fn, args = module.build(layers=layers, **options)
     hw = profile("h100")
     shallow = read_inputs(fn, args, None)
     assert isinstance(shallow.fold, depth.Deepened), "the step should have been planned from shallow traces"
@@ -87,8 +95,9 @@ def test_a_depth_held_outside_the_arguments_is_cut_alike(name, monkeypatch):
     """ViT (Flax Linen) loops over its module's `layers` field, Equinox combines its arguments with
     the model's closed-over static half, Flax NNX merges them with a closed-over graphdef: each is
     cut with the arguments. ViT's global norm is a chain of scalar adds that folds differently at
-    the two depths; those ops are matched by their total, so seconds agree to rounding (and sums
-    in another order) while bytes stay exact."""
+    the two depths; those ops are counted by signature, each signature's total exact, but which of
+    them fuse (and so move no bytes) is not, so seconds agree to a few picoseconds while bytes stay
+    exact."""
     for mesh, (shallow, whole) in zip(MESHES, _priced_both_ways(name, monkeypatch)):
         assert shallow.keys() == whole.keys()
         for tactic, cost in whole.items():
@@ -97,6 +106,24 @@ def test_a_depth_held_outside_the_arguments_is_cut_alike(name, monkeypatch):
             assert got.peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
             assert got.compute_seconds == pytest.approx(cost.compute_seconds, rel=1e-9), (mesh, tactic)
             assert got.communication_seconds == pytest.approx(cost.communication_seconds, rel=1e-9), (mesh, tactic)
+
+
+def test_alternating_layers_are_traced_as_whole_patterns(monkeypatch):
+    """Gemma's layers alternate local (sliding-window) and global attention: 3 and 4 layers fold
+    to different graphs, 6 and 8 (three and four pairs) to one, and every candidate is priced as
+    from the whole step (tests/corpus/gemma.py); its optimizer's per-leaf steps over 7 leaves a
+    layer are runs shorter than a fold's blocks, matched on the timelines all the same."""
+    costs = _priced_both_ways("gemma", monkeypatch, layers=12)
+    for mesh, (shallow, whole) in zip(MESHES, costs):
+        assert shallow.keys() == whole.keys(), mesh
+        for tactic, cost in whole.items():
+            assert shallow[tactic].collective_bytes == cost.collective_bytes, (mesh, tactic)
+            assert shallow[tactic].peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
+            assert shallow[tactic].total_seconds == pytest.approx(cost.total_seconds, rel=1e-9), (mesh, tactic)
+    monkeypatch.undo()
+    module, options = load("gemma")
+    fn, args = module.build(layers=12, **options)
+    assert read_inputs(fn, args, None).fold.depths == (6, 8, 12)
 
 
 def test_a_train_states_apply_fn_is_cut_with_the_arguments(monkeypatch):
