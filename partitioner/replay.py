@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-MIN_PERIOD = 8  # equations: a shorter block costs less to build than to check
+MIN_EQUATIONS = 8  # a shorter block of equations costs less to build than to check
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ def blocks(eqns: Sequence[Any], repeats) -> list[tuple[int, int, int]]:
         for e in eqns
     ]
     anchor = [e.primitive.name == "dot_general" for e in eqns]
-    return [(r.start, r.period, r.count) for r in repeats(seq, anchor, 3, MIN_PERIOD)]
+    return [(r.start, r.period, r.count) for r in repeats(seq, anchor, 3, MIN_EQUATIONS)]
 
 
 class Template:
