@@ -27,7 +27,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import replay
-from .ir import CaptureError, Graph, Op, Value
+from .ir import CaptureError, Graph, Op, RawOp, Value
 from .repeats import repeats
 from .replay import Copies
 from .rules import ELEMENTWISE, PARAMS_FREE, RULES, control_flow, elementwise, opaque, stacked, tie_factors
@@ -58,7 +58,7 @@ def capture(fn, *args, compact: bool = False) -> Graph:
 class _Builder:
     def __init__(self, replay_layers: bool = True):
         self.values: list[Value] = []
-        self.ops: list = []  # Op fields but the id (given once dead ops are dropped), or a `replay.Replay`
+        self.ops: list[RawOp | replay.Replay] = []
         self.replay_layers = replay_layers
         self.unknown: dict[str, int] = {}
         self.memo: dict[tuple, tuple] = {}
@@ -156,7 +156,18 @@ class _Builder:
             factors, op_dims, res_dims, flops, sig = self._factors(rule, eqn, in_shapes, out_shapes)
             trips = trips if body is not None else self.trips
             self.ops.append(
-                (name, operands, results, factors, op_dims, res_dims, flops, body, trips, sig if body is None else None)
+                RawOp(
+                    name,
+                    operands,
+                    results,
+                    factors,
+                    op_dims,
+                    res_dims,
+                    flops,
+                    body,
+                    trips,
+                    sig if body is None else None,
+                )
             )
 
     def _scan(self, eqn, env) -> None:
@@ -190,7 +201,7 @@ class _Builder:
 
     def _raw(self, name, operands, results, factors, op_dims, res_dims) -> None:
         self.ops.append(
-            (name, operands, results, factors, op_dims, res_dims, 0.0, None, 1, (name, factors, op_dims, res_dims))
+            RawOp(name, operands, results, factors, op_dims, res_dims, 0.0, None, 1, (name, factors, op_dims, res_dims))
         )
 
     def _factors(self, rule, eqn, in_shapes, out_shapes):
@@ -242,9 +253,9 @@ def _live_ops(ops: list, outputs: list[int], compact: bool) -> tuple[list[Op], l
     for op in reversed(ops):
         if type(op) is replay.Replay:
             op.sweep(needed)
-        elif not needed.isdisjoint(op[2]) or op[0] == "tie":  # a carry feeds the next iteration
+        elif not needed.isdisjoint(op.results) or op.primitive == "tie":  # a carry feeds the next iteration
             keep.append(op)
-            needed.update(op[1])
+            needed.update(op.operands)
     kept = {id(op): i for i, op in enumerate(reversed(keep))}
     copies = []
     for m in markers:

@@ -21,7 +21,7 @@ import enum
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,6 +57,22 @@ class Value:
         return (
             math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "key" else 8 * math.prod(self.shape)
         )
+
+
+class RawOp(NamedTuple):
+    """An op while the step is captured: `Op`'s fields but the id, given once the ops no result
+    is needed from are dropped (a tuple: ~10^5 of them are made, copied and shifted)."""
+
+    primitive: str
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    factors: tuple[Factor, ...]
+    operand_dims: tuple[Dims, ...]
+    result_dims: tuple[Dims, ...]
+    flops: float
+    body: Graph | None
+    trips: int
+    sig: Any
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jax.extend import core as jcore
+
+if TYPE_CHECKING:
+    from .ir import RawOp  # (ir imports this module's Copies)
 
 MIN_EQUATIONS = 8  # a shorter block of equations costs less to build than to check
 
@@ -66,7 +69,7 @@ def blocks(eqns: Sequence[Any], repeats) -> list[tuple[int, int, int]]:
 class Template:
     """The second copy of a block, as read: what a later copy must match to be replayed."""
 
-    def __init__(self, eqns: Sequence[Any], env: dict, values: tuple[int, int], ops: list[tuple], checked: list[int]):
+    def __init__(self, eqns: Sequence[Any], env: dict, values: tuple[int, int], ops: list[RawOp], checked: list[int]):
         self.prims = [e.primitive for e in eqns]
         outs = [v for e in eqns for v in e.outvars]
         ins = [a for e in eqns for a in e.invars]
@@ -87,7 +90,7 @@ class Template:
         self.free_shapes = [ins[i].aval.shape for i in free_at]
         self._vars, self._free = _getter(var_at), _getter(free_at)
         self.ops = ops
-        op_reads = np.array([v for op in ops for v in op[1] if v >= 0 and not start <= v < stop], dtype=np.int64)
+        op_reads = np.array([v for op in ops for v in op.operands if v >= 0 and not start <= v < stop], dtype=np.int64)
         # Replayable: everything it binds is made inside it (no result passed straight through
         # from outside) and its ops read from outside only through its equations' operands.
         self.ok = (
@@ -157,7 +160,7 @@ class Replay:
         """Dead-op removal through the copies, last first: a copy keeps the template's ops that
         make what is needed after it (or feed those), and what they read is needed before it."""
         start, _ = self.template.values
-        results = [r for op in self.template.ops for r in op[2]]
+        results = [r for op in self.template.ops for r in op.results]
         for k in range(len(self.shifts) - 1, -1, -1):
             shift = self.shifts[k]
             wanted = tuple(r for r in results if r + shift in needed)
@@ -173,10 +176,10 @@ class Replay:
             need, live = set(wanted), []
             for j in range(len(self.template.ops) - 1, -1, -1):
                 op = self.template.ops[j]
-                if op[0] == "tie" or not need.isdisjoint(op[2]):
+                if op.primitive == "tie" or not need.isdisjoint(op.results):
                     live.append(j)
-                    need.update(op[1])
-            reads = np.array([v for j in live for v in self.template.ops[j][1] if v >= 0], dtype=np.int64)
+                    need.update(op.operands)
+            reads = np.array([v for j in live for v in self.template.ops[j].operands if v >= 0], dtype=np.int64)
             inside = (reads >= start) & (reads < stop)
             self._memo[wanted] = (
                 tuple(reversed(live)),
@@ -185,15 +188,15 @@ class Replay:
             )
         return self._memo[wanted]
 
-    def expand(self) -> list[tuple]:
+    def expand(self) -> list[RawOp]:
         """The copies' ops, as the builder would have made them."""
         start, stop = self.template.values
         out = []
         for shift, free in zip(self.shifts, self.free_ids):
             outside = dict(zip(self.template.free.tolist(), free.tolist()))
             for op in self.template.ops:
-                operands = tuple(v + shift if start <= v < stop else outside.get(v, v) for v in op[1])
-                out.append((op[0], operands, tuple(r + shift for r in op[2])) + op[3:])
+                operands = tuple(v + shift if start <= v < stop else outside.get(v, v) for v in op.operands)
+                out.append(op._replace(operands=operands, results=tuple(r + shift for r in op.results)))
         return out
 
     def copies(self, template_ids: list[int]) -> Copies:
