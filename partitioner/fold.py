@@ -190,16 +190,6 @@ def _find(parent: list[int], v: int) -> int:
     return root
 
 
-def _roots(parent: list[int]) -> np.ndarray:
-    """Every element's root in a union-find forest, by pointer jumping (log depth numpy passes)."""
-    root = np.asarray(parent, dtype=np.int64)
-    while True:
-        up = root[root]
-        if np.array_equal(up, root):
-            return root
-        root = up
-
-
 def _merge_mirrors(graph: Graph, parent: list[int], keys, input_ids) -> None:
     by_path = {}
     for v, k in zip(input_ids, keys):
@@ -239,7 +229,7 @@ def _merge_untouched(graph: Graph, parent: list[int], keys, input_ids) -> None:
 
 
 def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.ndarray) -> Fold:
-    rep = _roots(parent)
+    rep = memory.roots(parent)
     rep_list = rep.tolist()
     find = lambda v: rep_list[v] if v >= 0 else v
     read = {find(v) for op in kept for v in op.operands} | {find(v) for v in graph.outputs}
@@ -251,7 +241,7 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.
     # Each original op counts toward its representative, a scan body's op `trips` times (a
     # constant only its folded-away readers used has no representative left).
     runs = np.bincount(
-        _roots(op_parent),
+        memory.roots(op_parent),
         weights=[(op.trips if op.body is None else 1) * (1 + int(n)) for op, n in zip(graph.ops, replayed)],
         minlength=len(graph.ops),
     )

@@ -186,11 +186,18 @@ def _chain_ends(t: Table, fused: np.ndarray, slots: int) -> np.ndarray:
     q = reader[t.makes[one]]
     link = fused[q]
     nxt[t.make_row[one][link]] = q[link]
+    return roots(nxt)
+
+
+def roots(parent) -> np.ndarray:
+    """Every element's root in a forest given by each element's parent (a root its own), by
+    pointer jumping: log-depth numpy passes."""
+    root = np.asarray(parent, dtype=np.int64)
     while True:
-        up = nxt[nxt]
-        if np.array_equal(up, nxt):
-            return nxt
-        nxt = up
+        up = root[root]
+        if np.array_equal(up, root):
+            return root
+        root = up
 
 
 def peak(life: Liveness, sizes: np.ndarray, held: np.ndarray | None = None, copies: bool = False) -> int:
