@@ -702,19 +702,15 @@ def step_flops(fn, abstract_args, compiled=None, *, model_flops: float | None = 
     where the backend cannot count it: on GPUs, library matrix products)."""
     import jax
 
+    from partitioner.verify import analysed_flops
+
     model = model_flops
     if model is None:
         with jax.default_device(jax.devices("cpu")[0]):
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_args)
-            model = _flops(jax.jit(fn).lower(*abstract).cost_analysis())
-    device = _flops(compiled.cost_analysis()) if compiled is not None else None
+            model = analysed_flops(jax.jit(fn).lower(*abstract).cost_analysis())
+    device = analysed_flops(compiled.cost_analysis()) if compiled is not None else None
     return {"model_flops": model or 0.0, "device_flops": device if device and device > 0 else None}
-
-
-def _flops(analysis) -> float | None:
-    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
-        analysis = analysis[0] if analysis else None
-    return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
 class _Deferred:

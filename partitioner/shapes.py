@@ -27,6 +27,7 @@ from .arguments import batch_argnums as batch_argnums_of
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, latency_steps, profile
 from .plan import Cost, Plan
+from .verify import analysed_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +122,7 @@ def _batch_size(abstract, batch_argnums) -> int:
 
 
 def _flops(fn, abstract) -> float:
-    analysis = jax.jit(fn).lower(*abstract).cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0] if analysis else {}
-    return float((analysis or {}).get("flops", 0.0))
+    return analysed_flops(jax.jit(fn).lower(*abstract).cost_analysis()) or 0.0
 
 
 def _largest_divisor(k: int, n: int) -> int:

@@ -108,8 +108,6 @@ def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=Non
     hw = profile(hardware)
     compiled = plan.jit(fn, args, devices).lower(*args).compile()
     collectives = tuple(parse_collectives(compiled.as_text()))
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     memory = compiled.memory_analysis()
     peak = (
         memory.argument_size_in_bytes
@@ -118,7 +116,7 @@ def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=Non
         - memory.alias_size_in_bytes
     )
     comm = sum(_seconds(c, hw, plan.mesh) * c.count for c in collectives)
-    flops = float(analysis.get("flops", 0.0))
+    flops = analysed_flops(compiled.cost_analysis()) or 0.0
     cpu = devices[0].platform == "cpu" and plan.cost.cpu_peak_bytes_per_device is not None
     predicted_peak = plan.cost.cpu_peak_bytes_per_device if cpu else plan.cost.peak_bytes_per_device
     return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost, predicted_peak)
@@ -346,6 +344,14 @@ def _sent(c: Collective) -> float:
     if c.kind == "all-to-all":
         return (p - 1) / p * c.bytes  # each device keeps its own 1/p of the result
     return float(c.bytes)  # a collective-permute sends its whole operand
+
+
+def analysed_flops(analysis) -> float | None:
+    """The flops in XLA's cost analysis of a lowered or compiled program (a dict, or in older JAX
+    a list of one per computation); None where it counts none."""
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
 def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
