@@ -27,9 +27,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import replay
-from .ir import CaptureError, Graph, Op, RawOp, Value
+from .ir import CaptureError, Copies, Graph, Op, RawOp, Value
 from .repeats import repeats
-from .replay import Copies
 from .rules import ELEMENTWISE, PARAMS_FREE, RULES, control_flow, elementwise, opaque, stacked, tie_factors
 
 

@@ -25,8 +25,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .replay import Copies
-
 
 class FactorKind(enum.Enum):
     PASS = "pass"
@@ -57,6 +55,31 @@ class Value:
         return (
             math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "key" else 8 * math.prod(self.shape)
         )
+
+
+@dataclasses.dataclass
+class Copies:
+    """Copies of a repeated layer that a compact capture did not build op by op: each is the
+    template (ops `template` of `Graph.ops`, one copy of the layer) with every value it makes moved
+    by that copy's shift, and every value it reads from outside the layer (`free`, sorted)
+    replaced by that copy's own (`free_ids`). They run right after the template, in order."""
+
+    template: list[int]  # op ids, in order
+    values: tuple[int, int]  # the template's value ids: [start, stop)
+    shifts: list[int]  # per copy: added to the template's value ids
+    free: np.ndarray  # value ids outside the template that it reads
+    free_ids: np.ndarray  # [copy, len(free)]: what each copy reads in their place
+
+    def map_all(self, ids: np.ndarray) -> np.ndarray:
+        """[copy, len(ids)]: each copy's value ids where the template has `ids` (-1, a literal,
+        stays -1)."""
+        start, stop = self.values
+        inside = (ids >= start) & (ids < stop)
+        out = np.where(inside, ids + np.asarray(self.shifts, dtype=np.int64)[:, None], ids)
+        outside = ~inside & (ids >= 0)
+        if outside.any():
+            out[:, outside] = self.free_ids[:, np.searchsorted(self.free, ids[outside])]
+        return out
 
 
 class RawOp(NamedTuple):

@@ -6,7 +6,7 @@ blocks among the top-level equations (`blocks`), builds the first two copies of 
 and checks every later copy against the second, the template (`Template.match`): the same
 primitives, shapes and dtypes, the parameters the factor rules read, literals in the same places
 and the same dataflow inside the copy. A copy that matches is recorded by what differs, its
-value ids (a shift) and the values it reads from outside (`Copies`); the first copy that does not
+value ids (a shift) and the values it reads from outside (`ir.Copies`); the first copy that does not
 match, and every later one, is built op by op.
 
 A compact graph keeps the replayed copies as `Graph.copies`; `expand` rebuilds their ops, which
@@ -15,43 +15,16 @@ are exactly the ops capture would have built one by one.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
 
-if TYPE_CHECKING:
-    from .ir import RawOp  # (ir imports this module's Copies)
+from .ir import Copies, RawOp
 
 MIN_EQUATIONS = 8  # a shorter block of equations costs less to build than to check
-
-
-@dataclasses.dataclass
-class Copies:
-    """Copies of a repeated layer that a compact capture did not build op by op: each is the
-    template (ops `template` of `Graph.ops`, one copy of the layer) with every value it makes moved
-    by that copy's shift, and every value it reads from outside the layer (`free`, sorted)
-    replaced by that copy's own (`free_ids`). They run right after the template, in order."""
-
-    template: list[int]  # op ids, in order
-    values: tuple[int, int]  # the template's value ids: [start, stop)
-    shifts: list[int]  # per copy: added to the template's value ids
-    free: np.ndarray  # value ids outside the template that it reads
-    free_ids: np.ndarray  # [copy, len(free)]: what each copy reads in their place
-
-    def map_all(self, ids: np.ndarray) -> np.ndarray:
-        """[copy, len(ids)]: each copy's value ids where the template has `ids` (-1, a literal,
-        stays -1)."""
-        start, stop = self.values
-        inside = (ids >= start) & (ids < stop)
-        out = np.where(inside, ids + np.asarray(self.shifts, dtype=np.int64)[:, None], ids)
-        outside = ~inside & (ids >= 0)
-        if outside.any():
-            out[:, outside] = self.free_ids[:, np.searchsorted(self.free, ids[outside])]
-        return out
 
 
 def blocks(eqns: Sequence[Any], repeats) -> list[tuple[int, int, int]]:
