@@ -246,7 +246,9 @@ def _unmatched_scalars(g1: Graph, of_shallow: Sequence[int | None]) -> dict[int,
     return {v: g1.values[v].nbytes for op in g1.ops if op.id not in matched for v in op.results}
 
 
-def _deep_mult(g1: Graph, g2: Graph, mult1: Sequence[int], mult2: Sequence[int], of_shallow, line) -> list[int]:
+def _deep_mult(
+    g1: Graph, g2: Graph, mult1: Sequence[int], mult2: Sequence[int], of_shallow: Sequence[int | None], line
+) -> list[int]:
     """Each deeper op's multiplicity at the step's depth: along the line through its match's and
     its own. Ops without a match (`_same_graph`) are counted by signature, the ops of one cost
     alike: each signature's total along the line through its totals, shared among its ops in
@@ -260,7 +262,7 @@ def _deep_mult(g1: Graph, g2: Graph, mult1: Sequence[int], mult2: Sequence[int],
         if o is None:
             total2[_sig(op, g2)] += mult2[op.id]
     scale = {s: line(total1[s], n) / n for s, n in total2.items() if n}
-    out, running = [], Counter()  # per signature: the deeper ops counted so far, and their share
+    out, running = [], Counter()  # per signature: the deeper trace's multiplicity of its ops so far
     for op, m, o in zip(g2.ops, mult2, of_shallow):
         if o is not None:
             out.append(line(mult1[o], m))
@@ -312,9 +314,10 @@ def _built_landmarks(graph: Graph, skip_scalars: bool) -> dict[tuple, int] | Non
 
 def _timeline_landmarks(graph: Graph, skip_scalars: bool, min_period: int = MIN_PERIOD) -> dict[tuple, int]:
     """`_landmarks` of the runs of repeated blocks found on the unrolled timeline, of at least
-    as many copies as the shallower trace has layers (or patterns of layers): a pair of layer runs and what lies between
-    them can repeat twice, and would be found in place of the runs at one depth and not at the
-    other (a run of layers under `jax.checkpoint` and its recomputation)."""
+    as many copies as the shallower trace has layers (or patterns of layers): a pair of layer
+    runs and what lies between them can repeat twice, and would be found in place of the runs at
+    one depth and not at the other (a run of layers under `jax.checkpoint` and its
+    recomputation)."""
     t = memory.table(graph)
     order = np.argsort(t.time, kind="stable")
     sigs = np.asarray(signature_ids(graph), dtype=np.int64)[t.source[order]]
