@@ -68,20 +68,35 @@ def test_resized_cuts_and_grows_and_maps_leaves_back():
 MESHES = ({"data": 8, "seq": 1, "model": 1}, {"data": 2, "seq": 1, "model": 4})
 
 
-def _priced_both_ways(name, monkeypatch, layers=10) -> list[tuple[dict, dict]]:
+def _priced_both_ways(name, monkeypatch, layers=10, traced=(3, 4)) -> list[tuple[dict, dict]]:
     """Per mesh of MESHES, every candidate's cost (tactic -> cost) for a corpus model of `layers`
-    layers, planned from shallow traces and from a trace of the whole step."""
+    layers, planned from shallow traces (of `traced` layers) and from a trace of the whole step."""
     module, options = load(name)
     fn, args = module.build(layers=layers, **options)
     hw = profile("h100")
     shallow = read_inputs(fn, args, None)
     assert isinstance(shallow.fold, depth.Deepened), "the step should have been planned from shallow traces"
+    assert shallow.fold.depths == (*traced, layers)
     monkeypatch.setattr(depth, "shallow", lambda fn, abstract: None)
     whole = read_inputs(fn, args, None)
     assert shallow.fold.original_ops == whole.fold.original_ops
     return [
         tuple({c.tactic: c.cost for c in tactic_candidates(i, mesh, hw)} for i in (shallow, whole)) for mesh in MESHES
     ]
+
+
+def _assert_priced_alike(costs) -> None:
+    """The same candidates, with the same bytes and peaks, and seconds that agree to a few
+    picoseconds: ops on scalars that fold differently at the two depths are counted exactly by
+    signature, but which of them fuse (and so move no bytes) is not."""
+    for mesh, (shallow, whole) in zip(MESHES, costs):
+        assert shallow.keys() == whole.keys(), mesh
+        for tactic, cost in whole.items():
+            got = shallow[tactic]
+            assert got.collective_bytes == cost.collective_bytes, (mesh, tactic)
+            assert got.peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
+            assert got.compute_seconds == pytest.approx(cost.compute_seconds, rel=1e-9), (mesh, tactic)
+            assert got.communication_seconds == pytest.approx(cost.communication_seconds, rel=1e-9), (mesh, tactic)
 
 
 @pytest.mark.parametrize("name", ["llama-maxtext", "llama-gqa-repeat"])
@@ -95,17 +110,8 @@ def test_a_depth_held_outside_the_arguments_is_cut_alike(name, monkeypatch):
     """ViT (Flax Linen) loops over its module's `layers` field, Equinox combines its arguments with
     the model's closed-over static half, Flax NNX merges them with a closed-over graphdef: each is
     cut with the arguments. ViT's global norm is a chain of scalar adds that folds differently at
-    the two depths; those ops are counted by signature, each signature's total exact, but which of
-    them fuse (and so move no bytes) is not, so seconds agree to a few picoseconds while bytes stay
-    exact."""
-    for mesh, (shallow, whole) in zip(MESHES, _priced_both_ways(name, monkeypatch)):
-        assert shallow.keys() == whole.keys()
-        for tactic, cost in whole.items():
-            got = shallow[tactic]
-            assert got.collective_bytes == cost.collective_bytes, (mesh, tactic)
-            assert got.peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
-            assert got.compute_seconds == pytest.approx(cost.compute_seconds, rel=1e-9), (mesh, tactic)
-            assert got.communication_seconds == pytest.approx(cost.communication_seconds, rel=1e-9), (mesh, tactic)
+    the two depths (`_assert_priced_alike`)."""
+    _assert_priced_alike(_priced_both_ways(name, monkeypatch))
 
 
 def test_alternating_layers_are_traced_as_whole_patterns(monkeypatch):
@@ -113,17 +119,7 @@ def test_alternating_layers_are_traced_as_whole_patterns(monkeypatch):
     to different graphs, 6 and 8 (three and four pairs) to one, and every candidate is priced as
     from the whole step (tests/corpus/gemma.py); its optimizer's per-leaf steps over 7 leaves a
     layer are runs shorter than a fold's blocks, matched on the timelines all the same."""
-    costs = _priced_both_ways("gemma", monkeypatch, layers=12)
-    for mesh, (shallow, whole) in zip(MESHES, costs):
-        assert shallow.keys() == whole.keys(), mesh
-        for tactic, cost in whole.items():
-            assert shallow[tactic].collective_bytes == cost.collective_bytes, (mesh, tactic)
-            assert shallow[tactic].peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
-            assert shallow[tactic].total_seconds == pytest.approx(cost.total_seconds, rel=1e-9), (mesh, tactic)
-    monkeypatch.undo()
-    module, options = load("gemma")
-    fn, args = module.build(layers=12, **options)
-    assert read_inputs(fn, args, None).fold.depths == (6, 8, 12)
+    _assert_priced_alike(_priced_both_ways("gemma", monkeypatch, layers=12, traced=(6, 8)))
 
 
 def test_a_train_states_apply_fn_is_cut_with_the_arguments(monkeypatch):
@@ -131,12 +127,7 @@ def test_a_train_states_apply_fn_is_cut_with_the_arguments(monkeypatch):
     module's bound method, the module holding the depth): cut with the arguments, every candidate
     is priced as from the whole step, and the plan's output tree is the step's own, with the
     real `apply_fn` back in the new state (tests/corpus/hf_gpt2.py)."""
-    for mesh, (shallow, whole) in zip(MESHES, _priced_both_ways("hf-gpt2", monkeypatch)):
-        assert shallow.keys() == whole.keys(), mesh
-        for tactic, cost in whole.items():
-            assert shallow[tactic].collective_bytes == cost.collective_bytes, (mesh, tactic)
-            assert shallow[tactic].peak_bytes_per_device == cost.peak_bytes_per_device, (mesh, tactic)
-            assert shallow[tactic].total_seconds == pytest.approx(cost.total_seconds, rel=1e-9), (mesh, tactic)
+    _assert_priced_alike(_priced_both_ways("hf-gpt2", monkeypatch))
     module, options = load("hf-gpt2")
     fn, args = module.build(layers=10, **options)
     monkeypatch.undo()
