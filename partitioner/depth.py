@@ -143,22 +143,25 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)
     (depth,) = depths
+    memo = {}  # kept for every trace of `fn` (an NNX graph is merged once for all of them)
     for period in PERIODS:
         pair = (SHALLOW[0] * period, SHALLOW[1] * period)
         if pair[1] >= depth:
             break
         if depth % period:
             continue  # half a pattern at the end: its layers' counts are not on the line
-        out = _traced_pair(fn, abstract, found, depth, pair, period)
+        out = _traced_pair(fn, abstract, found, depth, pair, period, memo)
         if out is not None:
             return out
     return None
 
 
-def _traced_pair(fn, abstract: tuple, found, depth: int, pair: tuple[int, int], period: int) -> Shallow | None:
+def _traced_pair(
+    fn, abstract: tuple, found, depth: int, pair: tuple[int, int], period: int, memo: dict
+) -> Shallow | None:
     """`shallow` from traces at the two depths in `pair`, or None where they do not fold to the same
     graph or their timelines cannot be matched."""
-    traced, folding, memo, swaps = [], 0.0, {}, {}
+    traced, folding, swaps = [], 0.0, {}
     for k in pair:
         args = resized(abstract, found, k)
         if args is None:

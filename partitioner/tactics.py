@@ -567,6 +567,9 @@ def _lasts(inputs: Inputs, op, factor: int) -> bool:
 
 
 def _cut(inputs: Inputs, value: int, dim: int, budget: int = 512) -> bool:
+    """Whether a split of `value`'s dimension `dim` is cut on some path forward (`_lasts`), each
+    (value, dimension) followed once; after `budget` of them it is taken to last (a layer's
+    forward is well within it, and a split kept too long costs a reshard, not a wrong result)."""
     g, weights, readers = inputs.graph, inputs.weight_operands, inputs.readers
     stack, seen = [(value, dim)], set()
     while stack and len(seen) < budget:
