@@ -32,10 +32,10 @@ class _Status:
 
 def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int = 1) -> list[tuple[float, float]]:
     """(seconds per report, MiB held) per window of 1,000 reports."""
-    from orchestrator import controller as ctl
     from orchestrator import parse_job
-    from orchestrator.controller import ControllerConfig, JobController
-    from orchestrator.recorder import Recorder
+    from orchestrator.control import controller as ctl
+    from orchestrator.control.controller import ControllerConfig, JobController
+    from orchestrator.telemetry.recorder import Recorder
     from partitioner import Cost, Plan
 
     steps = reports // hosts + 10
@@ -157,7 +157,7 @@ def dict_summary():
     """The previous per-step bookkeeping of the run summary: a dict entry per step and metric."""
     import dataclasses
 
-    from orchestrator.summary import RunSummary
+    from orchestrator.telemetry.summary import RunSummary
 
     @dataclasses.dataclass
     class DictSummary(RunSummary):
@@ -179,8 +179,8 @@ def main() -> None:
     parser.add_argument("--reports", type=int, default=100_000)
     parser.add_argument("--status-every", type=int, default=1, help="polls between status writes")
     args = parser.parse_args()
-    from orchestrator.goodput import Throughput
-    from orchestrator.summary import RunSummary
+    from orchestrator.telemetry.goodput import Throughput
+    from orchestrator.telemetry.summary import RunSummary
 
     now = run(args.hosts, args.reports, Throughput, RunSummary, args.status_every)
     before = run(args.hosts, args.reports, ListThroughput, dict_summary(), args.status_every)

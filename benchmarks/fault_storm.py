@@ -179,7 +179,7 @@ def _reference(d: str, steps: int, log) -> dict[int, float]:
             losses = json.load(f)["losses"]
         if len(losses) == steps:
             return {i + 1: loss for i, loss in enumerate(losses)}
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", os.path.join(ref, "ckpt")]
+    cmd = [sys.executable, "-m", "orchestrator.cli.main", "run", job, "--checkpoint-dir", os.path.join(ref, "ckpt")]
     cmd += ["--summary", summary, "--no-store"]
     t = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=LEG_TIMEOUT_S, env=_env())
@@ -200,7 +200,7 @@ _SAVE_FAILED = re.compile(r"^warn  checkpoint step \d+ was not saved")
 def _run_leg(job: str, ckpt: str, store: str, leg: Leg, disk, log, output: str) -> str:
     """Run one `remesh run` to its end, or kill it (SIGKILL) once `leg.kill_at` is reported;
     fill the disk on the way if asked. Returns its output, also written to `output`."""
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", ckpt, "--store", store]
+    cmd = [sys.executable, "-m", "orchestrator.cli.main", "run", job, "--checkpoint-dir", ckpt, "--store", store]
     cmd += ["--chaos", leg.spec()] if leg.chaos else []
     sessions = ray_sessions()
     proc = subprocess.Popen(
@@ -316,7 +316,7 @@ def check(
     store: str, ckpt: str, reference: dict, outputs: list[str], legs: list[Leg], corrupted, killed_commits, steps
 ) -> dict:
     """The storm's invariants, from what the runs recorded."""
-    from orchestrator.fleet import FleetStore
+    from orchestrator.fleet.store import FleetStore
 
     db = FleetStore(store)
     runs = sorted(db.runs("storm"), key=lambda r: r["run"])
@@ -373,7 +373,7 @@ def _verify_retained(ckpt: str) -> dict:
 
     from checkpoint import Store
     from examples.gpt.model import program
-    from orchestrator.digest import compile_digest, digest
+    from orchestrator.job.digest import compile_digest, digest
 
     abstract = jax.eval_shape(program.init, jax.random.key(0))
     fn = compile_digest(abstract)

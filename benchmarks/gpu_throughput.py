@@ -4,7 +4,7 @@ remesh reports them, beside the device's measured matmul ceilings.
     python benchmarks/gpu_throughput.py [--steps 40]       # on a machine with a GPU
 
 The example GPT, scaled to fill an H100 (float32 parameters, as the example is written), is
-planned for the one device, run by `orchestrator.worker.run_segment` exactly as a host actor runs
+planned for the one device, run by `orchestrator.worker.segment.run_segment` exactly as a host actor runs
 it, and its step reports summarised: median step time over the steps without a save, tokens/s, and
 MFU against the hardware profile's peak (989 TFLOP/s, bf16 dense) and against the matmul rate
 measured here for the dtype the model uses. Full numbers go to $OUT/gpu_throughput.json.
@@ -50,8 +50,8 @@ def main() -> int:
     import partitioner
     from examples.gpt.model import GPTConfig, make_program
     from orchestrator import check_program
-    from orchestrator.jobfile import CheckpointSpec
-    from orchestrator.worker import SegmentSpec, run_segment
+    from orchestrator.job.jobfile import CheckpointSpec
+    from orchestrator.worker.segment import SegmentSpec, run_segment
 
     cfg = GPTConfig(vocab=32768, seq_len=1024, d_model=2048, n_heads=16, n_layers=8, d_ff=8192, dropout=0.0)
     module = sys.modules["examples.gpt.model"]

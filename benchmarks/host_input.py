@@ -5,7 +5,7 @@
 A data-only harness stands in for hosts: 64 fake CPU devices are split into N processes of 64/N
 devices each (N = 1 to 64), the global batch laid out over data x model with model = 2 within a
 host where a host has 2 devices or more (as the planner keeps it), and each simulated process
-reads the rows its devices hold (`orchestrator.data.rows_held`) of a uint16
+reads the rows its devices hold (`orchestrator.job.data.rows_held`) of a uint16
 token file through its own `Windows` (which counts the bytes it reads). Beside it, the baseline
 measured in the same run: the previous path, where every host builds the whole global batch and
 slices its rows out. Medians over 5 steps per process; the token file is written once to a
@@ -36,7 +36,7 @@ def main() -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from orchestrator.data import TokenFiles, rows_held
+    from orchestrator.job.data import TokenFiles, rows_held
 
     devices = jax.devices()
     assert len(devices) == 64, f"needs 64 fake CPU devices, got {len(devices)}"
@@ -71,7 +71,7 @@ def main() -> None:
 
 def _measure(files, hosts, sharding, shapes, batch: int, rows: bool, steps: int = 5) -> tuple[float, float]:
     """(median bytes, median seconds) per host per step, over up to 8 of the hosts."""
-    from orchestrator.data import rows_held
+    from orchestrator.job.data import rows_held
 
     bytes_, seconds = [], []
     for host in hosts[:8]:

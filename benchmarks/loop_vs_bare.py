@@ -4,7 +4,7 @@
 
 The example GPT (`examples/gpt/model.py`, scaled up so a step takes tens of milliseconds) trained
 on a uint16 token file through `TokenFiles`, planned once for the devices. remesh: the per-host
-worker as a plain function (`orchestrator.worker.run_segment`, as a host actor runs it), with
+worker as a plain function (`orchestrator.worker.segment.run_segment`, as a host actor runs it), with
 checkpoints only at the end; its steps/s is from its own step reports, the steps before the
 final save. Bare: the loop a user writes by hand: the plan's jitted step, each step's batch from
 the same `HostBatches`, the loss read back every step. Rounds alternate in one process; medians.
@@ -91,8 +91,8 @@ def _plan(devices: int, batch: int) -> str:
 
 
 def _remesh(plan_json: str, args, folder: str) -> float:
-    from orchestrator.jobfile import CheckpointSpec
-    from orchestrator.worker import SegmentSpec, run_segment
+    from orchestrator.job.jobfile import CheckpointSpec
+    from orchestrator.worker.segment import SegmentSpec, run_segment
 
     spec = SegmentSpec(
         program=PROGRAM,
@@ -117,8 +117,8 @@ def _bare(plan_json: str, args) -> float:
     import jax
 
     from orchestrator import load_program
-    from orchestrator.data import DataPosition, HostBatches
-    from orchestrator.program import abstract_inputs
+    from orchestrator.job.data import DataPosition, HostBatches
+    from orchestrator.job.program import abstract_inputs
     from partitioner import Plan
 
     program = load_program(PROGRAM)

@@ -121,7 +121,7 @@ def ray_train_run(workdir: str) -> dict:
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
     import ray
 
-    from orchestrator.cluster import LocalClusterConfig
+    from orchestrator.hosts.cluster import LocalClusterConfig
 
     cluster = LocalClusterConfig(hosts=4, devices_per_host=2).create()
     try:

@@ -8,12 +8,12 @@ Importing this package starts nothing and does not import Ray; the controller pi
 first use, so that a bare worker process (no Ray, e.g. on a GPU machine) can import `Program`.
 """
 
-from .chaos import ChaosSpecError, Fault, parse_chaos
-from .data import DataError, TokenFiles
-from .jobfile import JobFileError, JobSpec, load_job, parse_job
-from .policies import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
-from .program import Evaluation, JobSettings, Program, ProgramError, check_program, load_program
-from .summary import RunSummary
+from .control.policies import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
+from .job.data import DataError, TokenFiles
+from .job.jobfile import JobFileError, JobSpec, load_job, parse_job
+from .job.program import Evaluation, JobSettings, Program, ProgramError, check_program, load_program
+from .telemetry.summary import RunSummary
+from .testing.chaos import ChaosSpecError, Fault, parse_chaos
 
 __all__ = [
     "ChaosSpecError",
@@ -47,11 +47,11 @@ __all__ = [
 
 def __getattr__(name):
     if name in ("JobController", "Phase"):
-        from . import controller
+        from .control import controller
 
         return getattr(controller, name)
     if name == "run_job":
-        from .run import run_job
+        from .cli.run import run_job
 
         return run_job
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

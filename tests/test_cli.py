@@ -1,6 +1,6 @@
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from orchestrator import Phase, parse_chaos, parse_job
-from orchestrator.controller import ControllerConfig, JobController
-from orchestrator.hosts import HostsLostError, HostStatus, SegmentFailedError
+from orchestrator.control.controller import ControllerConfig, JobController
+from orchestrator.hosts.group import HostsLostError, HostStatus, SegmentFailedError
 from partitioner import Cost, Plan
 
 pytestmark = pytest.mark.unit
@@ -296,7 +296,7 @@ def test_steps_whose_reports_went_with_a_lost_group_come_back_with_the_snapshot_
     """The group ran steps 13 and 14 and snapshotted 14, then lost a host before the controller
     polled those steps: the restore brings their reports (kept with the snapshot), and the run's
     losses and step rows have them, as the segment that ran them, once."""
-    from orchestrator.recorder import Recorder
+    from orchestrator.telemetry.recorder import Recorder
 
     class Rows(Recorder):
         def __init__(self):
@@ -358,7 +358,7 @@ def test_a_stop_saves_the_step_reached_and_stops_the_hosts():
 
 
 def test_a_stop_is_bounded_by_its_grace_and_a_second_request_is_immediate():
-    from orchestrator.controller import JobStopped
+    from orchestrator.control.controller import JobStopped
 
     world = World(4)
     world.ignore_stop = True
@@ -380,7 +380,7 @@ def test_running_medians_match_statistics_in_memory_bounded_by_the_spread():
     import random
     import statistics
 
-    from orchestrator.goodput import RunningMedian, Throughput
+    from orchestrator.telemetry.goodput import RunningMedian, Throughput
 
     rng = random.Random(3)
     for n in (1, 2, 3, 10, 1001):

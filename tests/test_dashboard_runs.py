@@ -8,8 +8,8 @@ import threading
 import pytest
 from helpers import browser
 
-from orchestrator.dashboard import DashboardConfig, make_server
-from orchestrator.fleet import FleetStore, FleetStoreConfig
+from orchestrator.fleet.dashboard import DashboardConfig, make_server
+from orchestrator.fleet.store import FleetStore, FleetStoreConfig
 
 pytestmark = pytest.mark.browser
 

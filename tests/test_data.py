@@ -1,4 +1,4 @@
-"""Data each host loads for itself (`orchestrator.data`): token files as nanoGPT and Megatron write
+"""Data each host loads for itself (`orchestrator.job.data`): token files as nanoGPT and Megatron write
 them, a global example order that no mesh changes, each process reading only its rows, and the
 data position carried through checkpoints so that a resume on another mesh goes on exactly."""
 
@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from orchestrator.data import DataError, DataPosition, HostBatches, TokenFiles, Windows, rows_held
+from orchestrator.job.data import DataError, DataPosition, HostBatches, TokenFiles, Windows, rows_held
 
 pytestmark = pytest.mark.fake_devices
 
@@ -127,7 +127,7 @@ def test_a_job_on_token_files_resumes_exactly_on_other_meshes(tmp_path, devices8
     """8 -> 6 -> 8 devices, stopping at checkpoints, against one run on 8: the same loss at every
     step (within 1e-4 relative), each resume starts where the data left off, and the held-out
     evaluations every 5 steps agree too."""
-    from orchestrator.worker import run_segment
+    from orchestrator.worker.segment import run_segment
     from tests.test_worker import spec
 
     ref = "tests.programs.token_gpt:evaluated"
@@ -167,7 +167,7 @@ def test_a_recipe_program_made_by_a_factory_trains_on_its_token_files_across_mes
     job's settings (its steps set the schedule, `[options]` the token files), bfloat16 compute,
     resumed from 8 devices on 4 at a checkpoint: the same losses as one run on 8 (within 1e-4
     relative), the first segment's exactly."""
-    from orchestrator.worker import Stop, run_segment
+    from orchestrator.worker.segment import Stop, run_segment
     from tests.test_worker import spec
 
     options = {"train_tokens": [token_file]}

@@ -55,7 +55,7 @@ def test_manifests_use_the_image_the_dockerfile_builds_with_token_auth(name):
 
 @pytest.mark.parametrize("name", MANIFESTS)
 def test_worker_pods_are_remesh_hosts_with_their_accelerators(name):
-    from orchestrator.hosts import HOST_RESOURCE
+    from orchestrator.hosts.group import HOST_RESOURCE
 
     spec = cluster_spec(load(name))
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no host actors on the head
@@ -78,9 +78,9 @@ def test_worker_pods_are_remesh_hosts_with_their_accelerators(name):
 
 @pytest.mark.parametrize("name", ["rayjob-gpu.yaml", "rayjob-tpu.yaml"])
 def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(name):
-    from orchestrator.cli import build_parser
-    from orchestrator.controller import ControllerConfig
-    from orchestrator.jobfile import load_job
+    from orchestrator.cli.main import build_parser
+    from orchestrator.control.controller import ControllerConfig
+    from orchestrator.job.jobfile import load_job
     from partitioner import profile
 
     doc = load(name)
@@ -118,7 +118,7 @@ def test_prometheus_scrapes_the_metrics_port_and_restores_remesh_names():
     for n in MANIFESTS:
         for c in containers(cluster_spec(load(n))):
             assert {"containerPort": 8080, "name": "metrics"} in c["ports"]
-    from orchestrator.metrics import METRICS
+    from orchestrator.telemetry.metrics import METRICS
 
     for job in config["scrape_configs"]:
         (rule,) = job["metric_relabel_configs"]
@@ -131,7 +131,7 @@ def test_prometheus_scrapes_the_metrics_port_and_restores_remesh_names():
 
 
 def test_grafana_dashboard_shows_the_built_in_pages_figures_with_metric_names_from_the_code():
-    from orchestrator.metrics import METRICS
+    from orchestrator.telemetry.metrics import METRICS
 
     with open(os.path.join(DEPLOY, "grafana", "remesh-dashboard.json")) as f:
         dashboard = json.load(f)

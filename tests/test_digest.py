@@ -32,7 +32,7 @@ def _placed(state, mesh_shape, specs):
 def _digest(state):
     import jax
 
-    from orchestrator.digest import compile_digest, digest
+    from orchestrator.job.digest import compile_digest, digest
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     return digest(compile_digest(abstract), state)
@@ -67,6 +67,6 @@ def test_one_changed_or_moved_word_changes_the_digest(devices8):
 def test_the_pre_run_check_traces_the_digest_of_typed_keys():
     import jax
 
-    from orchestrator.digest import check_digestible
+    from orchestrator.job.digest import check_digestible
 
     check_digestible(jax.eval_shape(_state))  # no TypeError: key data is read, not the key

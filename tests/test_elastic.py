@@ -184,7 +184,7 @@ def test_every_committed_checkpoint_survives_and_verifies(request, scenario):
 
     from checkpoint import Store
     from examples.gpt.model import program
-    from orchestrator.digest import compile_digest, digest
+    from orchestrator.job.digest import compile_digest, digest
 
     run = request.getfixturevalue(scenario)
     abstract = jax.eval_shape(program.init, jax.random.key(0))
@@ -220,7 +220,7 @@ def test_goodput_with_a_host_loss_adds_up_to_the_wall_time_with_each_part_measur
 
 
 def test_the_fleet_store_holds_the_run_as_its_summary_says(elastic):
-    from orchestrator.fleet import FleetStore
+    from orchestrator.fleet.store import FleetStore
 
     store = FleetStore(elastic["_store"])
     job = store.job("elastic")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from orchestrator.fleet import FleetStore
+from orchestrator.fleet.store import FleetStore
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def _step(run_steps, i, at):
 
 
 def test_each_run_of_a_job_has_its_own_id_events_and_steps(tmp_path):
-    from orchestrator.dashboard import job_detail
+    from orchestrator.fleet.dashboard import job_detail
 
     store = FleetStore(str(tmp_path / "fleet.db"))
     first = store.start_run("a", cluster="c", steps=10)
@@ -111,7 +111,7 @@ def test_a_store_from_before_runs_is_migrated_one_run_per_job(tmp_path):
 
 
 def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_path):
-    from orchestrator.dashboard import job_detail
+    from orchestrator.fleet.dashboard import job_detail
 
     store = FleetStore(str(tmp_path / "fleet.db"))
     run = store.start_run("long", cluster="c", steps=1000)
@@ -145,8 +145,8 @@ def test_a_runs_step_rows_stay_bounded_and_evenly_spread_however_long_it_runs(tm
     it holds is evenly spread over the whole run, and the job page still charts every host."""
     from types import SimpleNamespace
 
-    from orchestrator.dashboard import job_detail
-    from orchestrator.recorder import FleetRecorder
+    from orchestrator.fleet.dashboard import job_detail
+    from orchestrator.telemetry.recorder import FleetRecorder
 
     store = FleetStore(str(tmp_path / "fleet.db"))
     recorder = FleetRecorder(store, SimpleNamespace(name="long", steps=5000), cluster="c", step_rows=64)
@@ -186,9 +186,9 @@ def test_status_reads_a_jobs_state_through_a_dashboard_where_the_store_is_out_of
     says how to start one."""
     import threading
 
-    from orchestrator.dashboard import DashboardConfig, make_server
-    from orchestrator.fleet import FleetStoreConfig
-    from orchestrator.submit import SubmitError, remesh_state
+    from orchestrator.cli.submit import SubmitError, remesh_state
+    from orchestrator.fleet.dashboard import DashboardConfig, make_server
+    from orchestrator.fleet.store import FleetStoreConfig
 
     path = str(tmp_path / "fleet.db")
     write_job(path, "seen", "c", 20)
@@ -215,7 +215,7 @@ def test_a_resumed_run_stores_the_steps_a_killed_controller_had_not_flushed(tmp_
     rows for 8, 9 and 10 as host 0's, once, and nothing already stored is written again."""
     from types import SimpleNamespace
 
-    from orchestrator.recorder import FleetRecorder
+    from orchestrator.telemetry.recorder import FleetRecorder
 
     def report(step):
         return {"step": step, "at": float(step), "loss": 1.0 / step, "seconds": 0.1, "tokens_per_second": 1.0,

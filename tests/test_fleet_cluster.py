@@ -184,7 +184,7 @@ def test_a_client_without_the_token_or_with_an_unknown_id_gets_a_clear_error(fle
 
 
 def test_metrics_reach_prometheus_through_ray_with_job_and_host_labels(fleet):
-    from orchestrator.metrics import METRICS
+    from orchestrator.telemetry.metrics import METRICS
 
     text = fleet["metrics"]
     for name in ("remesh_step_seconds", "remesh_tokens_per_second", "remesh_mfu", "remesh_step"):
@@ -202,8 +202,8 @@ def test_metrics_reach_prometheus_through_ray_with_job_and_host_labels(fleet):
 def dashboard(fleet):
     import threading
 
-    from orchestrator.dashboard import DashboardConfig, make_server
-    from orchestrator.fleet import FleetStoreConfig
+    from orchestrator.fleet.dashboard import DashboardConfig, make_server
+    from orchestrator.fleet.store import FleetStoreConfig
 
     server = make_server(DashboardConfig(port=0, store=FleetStoreConfig(path=fleet["store"])))
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -1,7 +1,7 @@
 import pytest
 
 from orchestrator import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
-from orchestrator.chaos import ChaosInjector, ChaosSpecError, Fault, parse_chaos
+from orchestrator.testing.chaos import ChaosInjector, ChaosSpecError, Fault, parse_chaos
 
 pytestmark = pytest.mark.unit
 

@@ -141,7 +141,7 @@ def test_typed_prng_keys_in_the_state_pass_every_check():
 
 
 def test_metrics_that_are_not_scalars_are_named_in_a_warning():
-    from orchestrator.program import ProgramWarning
+    from orchestrator.job.program import ProgramWarning
 
     wide = good_program(step=lambda s, b: (s, {"loss": jnp.sum(s["w"]), "per_example": jnp.sum(b["x"], axis=1)}))
     with pytest.warns(ProgramWarning, match="not recorded: per_example"):

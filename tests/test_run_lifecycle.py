@@ -15,7 +15,7 @@ from conftest import ROOT
 from helpers.jobs import gpt_job
 
 from checkpoint import Store
-from orchestrator.fleet import FleetStore
+from orchestrator.fleet.store import FleetStore
 
 pytestmark = pytest.mark.ray
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from checkpoint import CheckpointCorruptError, MemoryStep, restore_step, seal_snapshot, take_snapshot
-from orchestrator.snapshots import Keeper
-from orchestrator.worker import run_segment
+from orchestrator.hosts.keepers import Keeper
+from orchestrator.worker.segment import run_segment
 
 pytestmark = pytest.mark.fake_devices
 
@@ -96,7 +96,7 @@ def test_a_snapshot_missing_a_piece_is_incomplete_not_silently_zero(devices8):
 
 @pytest.mark.unit
 def test_the_snapshot_interval_keeps_the_copy_within_its_share_of_step_time():
-    from orchestrator.worker import _SnapshotPace
+    from orchestrator.worker.segment import _SnapshotPace
 
     pace = _SnapshotPace(0.05, memory=object())
     assert pace.interval == 1
@@ -212,7 +212,7 @@ def test_a_damaged_snapshot_falls_back_to_the_newest_commit(tmp_path, devices8):
 def test_a_snapshot_whose_state_does_not_match_its_digest_falls_back_to_the_newest_commit(tmp_path, devices8):
     from test_worker import spec
 
-    from orchestrator.digest import KIND
+    from orchestrator.job.digest import KIND
 
     memory = HeldHere()
     memory.restore = newest = trained_then_lost(tmp_path, memory)

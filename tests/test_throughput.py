@@ -8,7 +8,7 @@ from test_worker import spec
 
 import partitioner
 from orchestrator import check_program
-from orchestrator.worker import run_segment, step_flops
+from orchestrator.worker.segment import run_segment, step_flops
 
 pytestmark = pytest.mark.fake_devices
 

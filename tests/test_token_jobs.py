@@ -38,7 +38,7 @@ def remesh_run(folder, steps, hosts, tokens):
 
 def test_a_run_stopped_on_4_hosts_resumes_on_3_with_the_same_sample_order(tmp_path, devices8):
     from examples.gpt.model import write_tokens
-    from orchestrator.worker import run_segment
+    from orchestrator.worker.segment import run_segment
     from tests.test_worker import spec
 
     tokens = str(tmp_path / "train.bin")

@@ -9,9 +9,9 @@ import partitioner
 from checkpoint import CheckpointCorruptError, Store
 from checkpoint.layout import manifest_checksum
 from orchestrator import check_program
-from orchestrator.digest import KIND as DIGEST_KIND
-from orchestrator.jobfile import CheckpointSpec
-from orchestrator.worker import CheckpointSaveError, SegmentSpec, run_segment
+from orchestrator.job.digest import KIND as DIGEST_KIND
+from orchestrator.job.jobfile import CheckpointSpec
+from orchestrator.worker.segment import CheckpointSaveError, SegmentSpec, run_segment
 
 pytestmark = pytest.mark.fake_devices
 

@@ -19,7 +19,7 @@ def main(cache: str, work: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from test_worker import spec
 
-    from orchestrator.worker import run_segment
+    from orchestrator.worker.segment import run_segment
 
     work = pathlib.Path(work)
     small = spec(work, 4, 12)

@@ -20,7 +20,7 @@ import warnings
 
 import ray
 
-from .hosts import HOST_RESOURCE, alive_hosts
+from .group import HOST_RESOURCE, alive_hosts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,14 +25,14 @@ import os
 import time
 from collections.abc import Callable
 
+from ..hosts.group import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
+from ..job.jobfile import JobSpec
+from ..telemetry.goodput import REPORT_CATEGORY, USEFUL, Ledger, Throughput
+from ..telemetry.recorder import Recorder
+from ..telemetry.summary import RunSummary
+from ..testing.chaos import PHASES, ChaosInjector, Fault
+from ..worker.segment import SegmentSpec, plan_key
 from . import policies
-from .chaos import PHASES, ChaosInjector, Fault
-from .goodput import REPORT_CATEGORY, USEFUL, Ledger, Throughput
-from .hosts import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
-from .jobfile import JobSpec
-from .recorder import Recorder
-from .summary import RunSummary
-from .worker import SegmentSpec, plan_key
 
 LOSS_BADPUT = ("lost", "startup", "planning", "compile", "restore")  # what a host loss costs
 

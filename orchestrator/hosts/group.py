@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from .worker import SegmentSpec, Stop
+from ..worker.segment import SegmentSpec, Stop
 
 HOST_RESOURCE = "remesh_host"
 
@@ -79,7 +79,7 @@ class HostActor:
         import time
 
         t = time.perf_counter()
-        for name in ("checkpoint", "partitioner", "orchestrator.program", *modules):
+        for name in ("checkpoint", "partitioner", "orchestrator.job.program", *modules):
             try:
                 importlib.import_module(name)
             except ImportError:
@@ -101,8 +101,8 @@ class HostActor:
         threading.Thread(target=self._run, args=args, daemon=True, name="segment").start()
 
     def _run(self, spec: SegmentSpec, snapshots, executables: dict | None) -> None:
-        from .metrics import RayMetrics
-        from .worker import run_segment
+        from ..telemetry.metrics import RayMetrics
+        from ..worker.segment import run_segment
 
         metrics = RayMetrics()
         memory = snapshots.open() if snapshots is not None else None

@@ -25,10 +25,10 @@ import urllib.parse
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .fleet import FleetStore, FleetStoreConfig
-from .goodput import BADPUT, BADPUT_MEANING
+from ..telemetry.goodput import BADPUT, BADPUT_MEANING
+from .store import FleetStore, FleetStoreConfig
 
-PAGES = importlib.resources.files(__package__) / "dashboard_pages"
+PAGES = importlib.resources.files(__package__) / "pages"
 
 
 @dataclasses.dataclass(frozen=True)

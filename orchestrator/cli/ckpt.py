@@ -123,7 +123,7 @@ def _planned_targets(m: dict, args):
     import partitioner
     from checkpoint import leaf_path
 
-    from .program import JobSettings, ProgramError, check_program, load_program
+    from ..job.program import JobSettings, ProgramError, check_program, load_program
 
     sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job ran in
     meta = m["meta"]

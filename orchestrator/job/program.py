@@ -10,7 +10,7 @@
 
 `data` is any random-access dataset (a Grain `MapDataset`, or anything with `__getitem__`) whose
 items are dicts of numpy arrays: each process reads only the rows of each global batch its
-devices hold (`orchestrator.data`). Instead, `batch=lambda step, size: {...}` may build the whole
+devices hold (`orchestrator.job.data`). Instead, `batch=lambda step, size: {...}` may build the whole
 global batch for a step index (numpy, leading dim `size`) on every host: for synthetic data.
 Either must be deterministic, so a resized or resumed job sees exactly the same data; any
 randomness in the step (dropout) must come from a PRNG key kept in the state, so that it is
@@ -63,7 +63,7 @@ class Program:
     step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]]
     batch: Callable[[int, int], Any] | None = None
     tokens_per_example: int = 1
-    data: Any = None  # a random-access dataset of examples (`orchestrator.data`)
+    data: Any = None  # a random-access dataset of examples (`orchestrator.job.data`)
     evaluation: Evaluation | None = None
 
     def __post_init__(self):

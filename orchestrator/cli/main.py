@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from .fleet import FleetStoreConfig
-    from .jobfile import load_job
+    from ..fleet.store import FleetStoreConfig
+    from ..job.jobfile import load_job
     from .run import run_job
 
     job = load_job(args.job)
@@ -131,7 +131,7 @@ def _run(args) -> int:
     store = None if args.no_store else FleetStoreConfig(path=args.store or "")
     config = None
     if args.stop_file:
-        from .controller import ControllerConfig
+        from ..control.controller import ControllerConfig
 
         config = ControllerConfig(stop_file=os.path.abspath(args.stop_file))
     summary = run_job(job, chaos=args.chaos, address=args.address, hosts=args.hosts, store=store, config=config)
@@ -191,8 +191,8 @@ def _stop(args) -> int:
 
 
 def _dashboard(args) -> int:
-    from .dashboard import DashboardConfig, make_server
-    from .fleet import FleetStoreConfig
+    from ..fleet.dashboard import DashboardConfig, make_server
+    from ..fleet.store import FleetStoreConfig
 
     server = make_server(DashboardConfig(host=args.host, port=args.port, store=FleetStoreConfig(path=args.store or "")))
     host, port = server.server_address[:2]
@@ -284,8 +284,8 @@ def _plan_target(args):
     import importlib
 
     if args.target.endswith(".toml"):
-        from .jobfile import load_job
-        from .program import check_program, load_program
+        from ..job.jobfile import load_job
+        from ..job.program import check_program, load_program
 
         job = load_job(args.target)
         program = load_program(job.program, job.settings())
@@ -299,7 +299,7 @@ def _plan_target(args):
 
 
 def _ckpt(args) -> int:
-    from . import ckpt_cmd
+    from . import ckpt as ckpt_cmd
 
     return ckpt_cmd.run(args)
 

@@ -10,15 +10,15 @@ import socket
 import sys
 import threading
 
-from .chaos import ANY_CLUSTER, ChaosSpecError, parse_chaos
-from .console import Console
-from .controller import ControllerConfig, JobController, program_fingerprint
-from .fleet import FleetStoreConfig
-from .jobfile import JobSpec
-from .metrics import RayMetrics
-from .program import check_program, load_program
-from .recorder import FleetRecorder
-from .worker import step_flops
+from ..control.controller import ControllerConfig, JobController, program_fingerprint
+from ..fleet.store import FleetStoreConfig
+from ..job.jobfile import JobSpec
+from ..job.program import check_program, load_program
+from ..telemetry.console import Console
+from ..telemetry.metrics import RayMetrics
+from ..telemetry.recorder import FleetRecorder
+from ..testing.chaos import ANY_CLUSTER, ChaosSpecError, parse_chaos
+from ..worker.segment import step_flops
 
 
 def run_job(
@@ -37,7 +37,7 @@ def run_job(
     cluster's name (`cluster_name`, else $REMESH_CLUSTER, else where it runs)."""
     import partitioner
 
-    from .cluster import LocalClusterConfig, RayCluster
+    from ..hosts.cluster import LocalClusterConfig, RayCluster
 
     faults = parse_chaos(chaos)
     if address and any(f.kind not in ANY_CLUSTER for f in faults):
@@ -79,7 +79,7 @@ def run_job(
         stack.callback(cluster.shutdown)
         keepers = None
         if not isinstance(cluster, _NoHosts):  # keepers start only when a group asks for them
-            from .snapshots import Keepers, KeepersConfig
+            from ..hosts.keepers import Keepers, KeepersConfig
 
             keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))
             stack.callback(keepers.shutdown)  # before the cluster goes
@@ -88,7 +88,7 @@ def run_job(
             # Only on a cluster of its own: standby actors hold no host resource, so on a shared
             # cluster two jobs could take the same hosts; there each group is gang-scheduled by a
             # placement group that reserves them (and a recovery spawns its actors).
-            from .hosts import StandbyPool
+            from ..hosts.group import StandbyPool
 
             standby = StandbyPool(modules=(job.program.split(":")[0],))
             stack.callback(standby.shutdown)

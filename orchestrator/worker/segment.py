@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .chaos import SLOW_INPUT_SECONDS
-from .data import DataPosition
-from .digest import KIND as DIGEST_KIND
-from .digest import compile_digest, digest, digest_later
-from .jobfile import CheckpointSpec
-from .recorder import STEP_FIELDS as REPORTED_FIELDS
+from ..job.data import DataPosition
+from ..job.digest import KIND as DIGEST_KIND
+from ..job.digest import compile_digest, digest, digest_later
+from ..job.jobfile import CheckpointSpec
+from ..telemetry.recorder import STEP_FIELDS as REPORTED_FIELDS
+from ..testing.chaos import SLOW_INPUT_SECONDS
 
 Report = Callable[[dict], None]
 
@@ -493,7 +493,7 @@ def run_segment(
     from checkpoint import StoreConfig
     from partitioner import Plan, profile
 
-    from .program import JobSettings, abstract_inputs, load_program
+    from ..job.program import JobSettings, abstract_inputs, load_program
 
     lap = _Laps(report)
     _maybe_hang(spec, "start", report)
@@ -541,7 +541,7 @@ def run_segment(
     position = DataPosition(spec.global_batch, first, first_example)
     batches = _batches(program, position, batch_sh, abstract_batch)
     if evaluation is not None:
-        from .data import HostBatches
+        from ..job.data import HostBatches
 
         held_out = HostBatches(evaluation.data, DataPosition(spec.global_batch), batch_sh, abstract_batch)
 
@@ -892,7 +892,7 @@ def _batches(program, position, shardings, shapes):
     """step -> that step's global batch on the devices: each process reading the rows it holds
     of `program.data`, or slicing its rows out of `program.batch`'s whole batch."""
     if program.data is not None:
-        from .data import HostBatches
+        from ..job.data import HostBatches
 
         return HostBatches(program.data, position, shardings, shapes)
     return lambda step: _global_batch(program.batch(step, position.global_batch), shardings)

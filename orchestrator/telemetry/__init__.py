@@ -1,0 +1,2 @@
+"""What watches a job: the goodput ledger, the run summary, the fleet recorder, Ray's metrics and
+the terminal."""

@@ -1,0 +1,1 @@
+"""Fault injection for tests, the demo and the fault storm; not part of the public API."""

@@ -1,0 +1,3 @@
+from .segment import main
+
+raise SystemExit(main())
