@@ -11,11 +11,11 @@ memory (`take_snapshot`, `MemoryStep`) restores through `restore_step` the same 
 
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, CheckpointTargetError
 from .layout import Codec, leaf_path
-from .memory import MemoryStep
-from .memory import seal as seal_snapshot
-from .memory import take as take_snapshot
 from .reader import Cast, Rename, RestoreStats, Stack, Unstack
 from .reader import restore as restore_step
+from .snapshot import MemoryStep
+from .snapshot import seal as seal_snapshot
+from .snapshot import take as take_snapshot
 from .store import Store, StoreConfig, VerifyReport
 from .writer import check_savable
 

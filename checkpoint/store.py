@@ -51,7 +51,8 @@ class Store:
     >>> store = Store("/ckpt")
     >>> store.save(100, state, plan=plan, meta={"data_position": 100})   # returns after the host copy
     >>> store.wait()
-    >>> target = plan.abstract_state(...)   # ShapeDtypeStructs carrying the new shardings
+    >>> target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    ...                       abstract_state, plan.shardings(mesh, abstract_state, argnum=0))
     >>> state = store.restore(target=target)
     >>> params = store.restore(target=target, include=["params/*"])["params"]
     """
@@ -59,7 +60,6 @@ class Store:
     def __init__(self, path: str | os.PathLike, *, config: StoreConfig = StoreConfig()):
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
-        self.last_restore: RestoreStats | None = None
         self._sequence = 0
         self._nonce: str | None = None
         self._writer = writer.Writer(on_commit=self._after_commit, commit_timeout_s=config.commit_timeout_s)
@@ -192,10 +192,23 @@ class Store:
             returned as given, so a fresh state can take only its parameters from a checkpoint.
         cast: what may happen when the target's dtype differs from the saved one.
         rules: `Rename`, `Stack`, `Unstack` mappings from target leaves to saved leaves.
-        Statistics of the restore (bytes needed, bytes read, seconds) are in `last_restore`."""
-        src = self.open_step(step)
-        value, self.last_restore = reader.restore(src, target, include=include, cast=cast, rules=rules)
-        return value
+        `restore_with_stats` also says what the restore read and took."""
+        return self.restore_with_stats(step, target=target, include=include, cast=cast, rules=rules)[0]
+
+    def restore_with_stats(
+        self,
+        step: int | None = None,
+        *,
+        target: Any,
+        include: Sequence[str] | None = None,
+        cast: Cast = Cast.EXACT,
+        rules: Sequence[Rule] = (),
+    ) -> tuple[Any, RestoreStats]:
+        """`restore`, and its statistics: bytes needed and read, seconds, and the step's metadata.
+
+        >>> state, stats = store.restore_with_stats(target=target)
+        >>> stats.read_amplification, stats.meta["data_position"]"""
+        return reader.restore(self.open_step(step), target, include=include, cast=cast, rules=rules)
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Read every stored byte of a step and check it: file sizes, metadata checksums, and the

@@ -1,8 +1,8 @@
 """Train-state snapshots in host memory: taken from the devices as pieces, restored like a step.
 
-    index, arrays = memory.take(state)            # this process's pieces: one replica of each shard
-    index = memory.seal(index, arrays)            # each piece's crc32, off the training thread
-    step = memory.MemoryStep(step, meta, indexes, fetch)
+    index, arrays = snapshot.take(state)            # this process's pieces: one replica of each shard
+    index = snapshot.seal(index, arrays)            # each piece's crc32, off the training thread
+    step = snapshot.MemoryStep(step, meta, indexes, fetch)
     state, stats = checkpoint.restore_step(step, target)   # onto any plan, like a saved step
 
 A piece is one device shard of one leaf, held by no one but the process that took it; the pieces
