@@ -15,7 +15,7 @@ Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, fa
 
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
-from .plan import Cost, Plan, PlanMismatchError
+from .plan import Cost, Plan, PlanMismatchError, mesh_text
 from .search import LEVELS, plan
 from .shapes import plan_by_shapes
 from .tactics import TACTICS, Candidate
@@ -40,5 +40,6 @@ __all__ = [
     "plan",
     "plan_by_shapes",
     "profile",
+    "mesh_text",
     "verify",
 ]

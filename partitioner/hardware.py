@@ -1,6 +1,6 @@
 """Named hardware profiles: per-device peak FLOP/s, memory, and alpha-beta links per mesh level.
 
-Figures are bf16 dense peaks from vendor data sheets (see ../shared/DESIGN.md). A link is priced
+Figures are bf16 dense peaks from vendor data sheets (H100 SXM, H200, TPU v4, v5e, v5p). A link is priced
 alpha + bytes / bandwidth; `intra` applies within one host (NVLink, ICI), `inter` across hosts.
 """
 

@@ -67,6 +67,7 @@ class Plan:
     search_seconds: float
     devices: int  # devices offered; `devices_used` may be fewer when no mesh divides evenly
     notes: tuple[str, ...] = ()
+    tactic: str = ""  # the chosen tactic (dp, fsdp, megatron, ...; refined, exact); "" in plans made before it was kept
 
     @property
     def devices_used(self) -> int:
@@ -183,6 +184,7 @@ class Plan:
             "search_seconds": self.search_seconds,
             "devices": self.devices,
             "notes": list(self.notes),
+            "tactic": self.tactic,
         }
 
     def to_json(self) -> str:
@@ -202,6 +204,7 @@ class Plan:
             search_seconds=d["search_seconds"],
             devices=d["devices"],
             notes=tuple(d["notes"]),
+            tactic=d.get("tactic", ""),  # plans written before the tactic was recorded
         )
 
     @classmethod

@@ -294,6 +294,7 @@ def _to_plan(
         search_seconds=seconds,
         devices=devices,
         notes=notes,
+        tactic=best.tactic,
     )
 
 

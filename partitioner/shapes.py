@@ -108,6 +108,7 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
         search_seconds=time.perf_counter() - start,
         devices=n,
         notes=tuple(notes),
+        tactic="fsdp" if chosen.fsdp > 1 else "dp",
     )
 
 
