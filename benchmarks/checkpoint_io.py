@@ -158,9 +158,9 @@ def measure(args) -> dict:
         for name, tgt in (("same", target(mesh8, P("x"))), ("reshard", target(mesh6, P("data", "model")))):
             evict(store.path)
             t = time.perf_counter()
-            restored = store.restore(r, target=tgt)
+            restored, stats = store.restore_with_stats(r, target=tgt)
             jax.block_until_ready(restored)
-            restores[name] = (time.perf_counter() - t, store.last_restore)
+            restores[name] = (time.perf_counter() - t, stats)
             del restored
         raw_files = raw_read(step_dir)
         raw = raw_read(dd_file)
@@ -331,8 +331,8 @@ def role_process(path: str, step: int, pid: int, port: int) -> dict:
     evict(os.path.join(path, str(step)))
     mesh = Mesh(np.array(jax.devices()).reshape(3, 2), ("data", "model"))
     t = time.perf_counter()
-    jax.block_until_ready(store.restore(step, target=target(mesh, P("data", "model"))))
-    s = store.last_restore
+    restored, s = store.restore_with_stats(step, target=target(mesh, P("data", "model")))
+    jax.block_until_ready(restored)
     return {
         "process": pid,
         "seconds": time.perf_counter() - t,

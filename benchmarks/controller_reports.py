@@ -33,9 +33,11 @@ class _Status:
 def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int = 1) -> list[tuple[float, float]]:
     """(seconds per report, MiB held) per window of 1,000 reports."""
     from orchestrator import parse_job
-    from orchestrator.control import controller as ctl
     from orchestrator.control.controller import ControllerConfig, JobController
-    from orchestrator.telemetry.recorder import Recorder
+    from orchestrator.control.planning import PlanCache
+    from orchestrator.protocol import from_dict
+    from orchestrator.telemetry import goodput, summary
+    from orchestrator.telemetry.recorder import Recorder, RecorderCallback
     from partitioner import Cost, Plan
 
     steps = reports // hosts + 10
@@ -57,7 +59,7 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
         def __init__(self, size, config, standby=None):
             self.size, self.node_ids, self.step = size, [f"n{i}" for i in range(size)], 0
 
-        def start(self, spec_for, snapshots=None):
+        def start(self, spec_for, snapshots=None, executables=None):
             pass
 
         def poll(self):
@@ -65,7 +67,7 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
             r = {"kind": "step", "step": self.step, "loss": 1.0 / self.step, "seconds": 0.1, "at": now(),
                  "tokens_per_second": 10.0 + self.step % 7, "mfu": 0.5, "input_seconds": 0.0, "wait_seconds": 0.0}  # fmt: skip
             fed[0] += self.size
-            return [_Status([dict(r)]) for _ in range(self.size)]
+            return [_Status([from_dict(r)]) for _ in range(self.size)]
 
         def request_stop(self, now=False):
             pass
@@ -98,19 +100,19 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
         search_seconds=0.0,
         cost=Cost(0.0, 0.0, {}, 0),
     )
-    ctl.Throughput, ctl.RunSummary = throughput_cls, summary_cls
+    goodput.Throughput, summary.RunSummary = throughput_cls, summary_cls  # the bookkeeping measured
+    gp = goodput.GoodputCallback()
+    sm = summary.SummaryCallback(gp)
     c = JobController(
         job,
         Cluster(),
-        planner=lambda devices: plan,
-        fingerprint="f",
+        plans=PlanCache(lambda devices: plan, "f"),
         config=ControllerConfig(poll_interval_s=0, host_check_interval_s=1e9),
+        callbacks=[gp, sm, RecorderCallback(AlwaysDue(), gp, sm)],
         group_cls=Group,
         clock=now,
         wall=now,
         sleep=lambda s: None,
-        printer=lambda s: None,
-        recorder=AlwaysDue(),
         committed=lambda: 0,
     )
     windows, mark, t = [], 0, time.perf_counter()
@@ -133,9 +135,9 @@ class ListThroughput:
         self.step_seconds, self.tokens_per_second, self.mfu = a or [], b or [], c or []
 
     def add(self, report):
-        self.step_seconds.append(report["seconds"])
-        self.tokens_per_second.append(report["tokens_per_second"])
-        self.mfu.append(report["mfu"])
+        self.step_seconds.append(report.seconds)
+        self.tokens_per_second.append(report.tokens_per_second)
+        self.mfu.append(report.mfu)
 
     def recent(self, n):
         return ListThroughput(

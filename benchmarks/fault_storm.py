@@ -6,7 +6,7 @@ against a fault-free run of the same job.
 
 Faults (`plan_storm`, from the seed alone, so a failure replays with the same faults at the same
 steps; when each lands within its step still depends on timing):
-- in the controller's hands (`--chaos`, orchestrator/chaos.py): one host killed; two at once (host 0
+- in the controller's hands (`--chaos`, orchestrator/testing/chaos.py): one host killed; two at once (host 0
   among them half the time); a host killed while its group saves, starts (before joining
   jax.distributed), compiles or restores; a host added while a recovery's group starts; a host's
   process frozen with SIGSTOP (found by the poll timeout, not by Ray);
@@ -179,7 +179,7 @@ def _reference(d: str, steps: int, log) -> dict[int, float]:
             losses = json.load(f)["losses"]
         if len(losses) == steps:
             return {i + 1: loss for i, loss in enumerate(losses)}
-    cmd = [sys.executable, "-m", "orchestrator.cli.main", "run", job, "--checkpoint-dir", os.path.join(ref, "ckpt")]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", os.path.join(ref, "ckpt")]
     cmd += ["--summary", summary, "--no-store"]
     t = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=LEG_TIMEOUT_S, env=_env())
@@ -200,7 +200,7 @@ _SAVE_FAILED = re.compile(r"^warn  checkpoint step \d+ was not saved")
 def _run_leg(job: str, ckpt: str, store: str, leg: Leg, disk, log, output: str) -> str:
     """Run one `remesh run` to its end, or kill it (SIGKILL) once `leg.kill_at` is reported;
     fill the disk on the way if asked. Returns its output, also written to `output`."""
-    cmd = [sys.executable, "-m", "orchestrator.cli.main", "run", job, "--checkpoint-dir", ckpt, "--store", store]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", ckpt, "--store", store]
     cmd += ["--chaos", leg.spec()] if leg.chaos else []
     sessions = ray_sessions()
     proc = subprocess.Popen(

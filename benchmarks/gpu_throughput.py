@@ -51,7 +51,8 @@ def main() -> int:
     from examples.gpt.model import GPTConfig, make_program
     from orchestrator import check_program
     from orchestrator.job.jobfile import CheckpointSpec
-    from orchestrator.worker.segment import SegmentSpec, run_segment
+    from orchestrator.protocol import SegmentSpec
+    from orchestrator.worker import run_segment
 
     cfg = GPTConfig(vocab=32768, seq_len=1024, d_model=2048, n_heads=16, n_layers=8, d_ff=8192, dropout=0.0)
     module = sys.modules["examples.gpt.model"]
@@ -76,7 +77,7 @@ def main() -> int:
     )
     reports: list[dict] = []
     t0 = time.time()
-    run_segment(spec, reports.append)
+    run_segment(spec, lambda r: reports.append(r.to_dict()))
     wall = time.time() - t0
 
     steps = [r for r in reports if r["kind"] == "step"]

@@ -92,7 +92,8 @@ def _plan(devices: int, batch: int) -> str:
 
 def _remesh(plan_json: str, args, folder: str) -> float:
     from orchestrator.job.jobfile import CheckpointSpec
-    from orchestrator.worker.segment import SegmentSpec, run_segment
+    from orchestrator.protocol import SegmentSpec
+    from orchestrator.worker import run_segment
 
     spec = SegmentSpec(
         program=PROGRAM,
@@ -107,7 +108,7 @@ def _remesh(plan_json: str, args, folder: str) -> float:
         digest=False,
     )
     reports = []
-    run_segment(spec, reports.append)
+    run_segment(spec, lambda r: reports.append(r.to_dict()))
     times = [r["at"] for r in reports if r["kind"] == "step"][:-1]  # (the last step's report waits on its save)
     # Steady state: from the third step (the first two include warm-up) to the last before the save.
     return (len(times) - 3) / (times[-1] - times[2])

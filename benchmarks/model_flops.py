@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import partitioner  # noqa: E402
 from examples.gpt.model import GPTConfig, make_program  # noqa: E402
 from orchestrator import check_program  # noqa: E402
-from orchestrator.worker.segment import step_flops  # noqa: E402
+from orchestrator.worker.compile import step_flops  # noqa: E402
 
 SIZES = {
     "example (demo job)": GPTConfig(),

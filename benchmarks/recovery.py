@@ -37,7 +37,7 @@ def one_run(steps: int, chaos: str, root: str = ROOT) -> dict:
         text = f.read().replace("steps = 120", f"steps = {steps}")
     with open(job, "w") as f:
         f.write(text)
-    cmd = [sys.executable, "-m", "orchestrator.cli.main", "run", job, "--checkpoint-dir", os.path.join(d, "ckpt")]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", os.path.join(d, "ckpt")]
     cmd += ["--chaos", chaos, "--summary", summary, "--store", os.path.join(d, "fleet.db")]
     # The checkout in `root` runs: `python -m` and the host actors' PYTHONPATH take the working directory.
     subprocess.run(cmd, cwd=root, check=True, capture_output=True, timeout=900)

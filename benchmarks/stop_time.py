@@ -37,7 +37,7 @@ def one_run(notice: bool, at_step: int = 20, then_s: float = 1.0) -> dict:
         f.write(text)
     ckpt, summary, out = os.path.join(d, "ckpt"), os.path.join(d, "summary.json"), os.path.join(d, "out.txt")
     stop_file = os.path.join(d, "preempted")
-    cmd = [sys.executable, "-m", "orchestrator.cli.main", "run", job, "--checkpoint-dir", ckpt, "--summary", summary]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--checkpoint-dir", ckpt, "--summary", summary]
     cmd += ["--store", os.path.join(d, "fleet.db"), "--stop-file", stop_file]
     with open(out, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,7 +2,21 @@
 
     from orchestrator import Program          # the user's program contract
     from orchestrator import TokenFiles       # token files as a program's data, each host reading its rows
-    summary = orchestrator.run_job(orchestrator.load_job("job.toml"), chaos="lose@40,add@80")
+    summary = orchestrator.run_job(orchestrator.load_job("job.toml"))
+
+Layers, lowest first (tests/test_imports.py keeps imports pointing down them):
+
+    job/        the job file, the program contract, its data, the state digest
+    protocol    controller <-> hosts (SegmentSpec, Stop, reports, CheckpointMeta) and
+                controller -> observers (Event, ControllerCallback)
+    metrics     remesh's Prometheus metrics
+    worker/     one process of one jax.distributed group: a segment's loop and its hooks
+    hosts/      host actors and their groups, standby actors, the cluster, peer-snapshot keepers
+    control/    the job controller (states, transitions), its policies and plan cache
+    telemetry/  goodput ledger, run summary, fleet recorder, terminal: controller callbacks
+    fleet/      the fleet store and its dashboard
+    testing/    fault injection (a controller callback and a worker hook); not public API
+    cli/        `remesh` and `run_job`, which wires a job to all of the above
 
 Importing this package starts nothing and does not import Ray; the controller pieces load on
 first use, so that a bare worker process (no Ray, e.g. on a GPU machine) can import `Program`.
@@ -12,18 +26,17 @@ from .control.policies import Continue, Fail, Failure, FailurePolicy, Resize, Re
 from .job.data import DataError, TokenFiles
 from .job.jobfile import JobFileError, JobSpec, load_job, parse_job
 from .job.program import Evaluation, JobSettings, Program, ProgramError, check_program, load_program
+from .protocol import ControllerCallback
 from .telemetry.summary import RunSummary
-from .testing.chaos import ChaosSpecError, Fault, parse_chaos
 
 __all__ = [
-    "ChaosSpecError",
     "Continue",
+    "ControllerCallback",
     "DataError",
     "Evaluation",
     "Fail",
     "Failure",
     "FailurePolicy",
-    "Fault",
     "JobController",
     "JobFileError",
     "JobSettings",
@@ -39,17 +52,20 @@ __all__ = [
     "check_program",
     "load_job",
     "load_program",
-    "parse_chaos",
     "parse_job",
     "run_job",
 ]
 
 
 def __getattr__(name):
-    if name in ("JobController", "Phase"):
-        from .control import controller
+    if name == "JobController":
+        from .control.controller import JobController
 
-        return getattr(controller, name)
+        return JobController
+    if name == "Phase":
+        from .control.state import Phase
+
+        return Phase
     if name == "run_job":
         from .cli.run import run_job
 

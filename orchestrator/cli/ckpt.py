@@ -113,21 +113,21 @@ def _restore_estimate(store, m: dict, args) -> dict:
 
 def _planned_targets(m: dict, args):
     """The partitioner's plan for the program the checkpoint records, if it can be loaded."""
-    program_ref, batch = m["meta"].get("program"), m["meta"].get("global_batch")
+    from ..protocol import CheckpointMeta
+
+    meta = CheckpointMeta.from_dict(m["meta"], step=m["step"], global_batch=0)
+    program_ref, batch = meta.program, meta.global_batch
     if not program_ref or not batch:
         return None, f"FSDP over {args.devices} devices on each leaf's first divisible dimension (no program recorded)"
-    import sys
-
     import jax
 
     import partitioner
     from checkpoint import leaf_path
 
-    from ..job.program import JobSettings, ProgramError, check_program, load_program
+    from ..job.program import JobSettings, ProgramError, check_program, importable_from_here, load_program
 
-    sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job ran in
-    meta = m["meta"]
-    settings = JobSettings(int(meta.get("steps", 0)), batch, int(meta.get("seed", 0)), meta.get("options", {}))
+    importable_from_here()  # programs are named relative to the directory the job ran in
+    settings = JobSettings(meta.steps or 0, batch, meta.seed or 0, meta.options or {})
     try:
         program = load_program(program_ref, settings)
     except ProgramError as e:
@@ -176,7 +176,9 @@ def _mesh(m: dict) -> str:
     if not mesh:
         shardings = [leaf["sharding"]["mesh"] for leaf in m["leaves"] if (leaf.get("sharding") or {}).get("mesh")]
         mesh = shardings[0] if shardings else None
-    return " x ".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
+    from partitioner import mesh_text
+
+    return mesh_text(mesh, every=True) if mesh else "-"
 
 
 def _human(n: int) -> str:

@@ -10,7 +10,16 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remesh", description="Elastic training orchestrator for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_submit, _add_submitted, _add_dashboard, _add_plan, _add_ckpt):
+        add(sub)
+    return parser
 
+
+STORE_HELP = "fleet store (SQLite; default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
+ADDRESS_HELP = "the Ray dashboard's URL, e.g. http://127.0.0.1:8265"
+
+
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run a job on an embedded local Ray cluster (or --address)")
     run.add_argument("job", help="job file (TOML)")
     run.add_argument("--summary", help="write the run summary (JSON) here")
@@ -18,9 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-dir", help="override the job file's checkpoint.dir")
     run.add_argument("--hosts", type=int, help="emulated hosts to start with (default: hosts.max)")
     run.add_argument("--address", help="run on the Ray cluster at this address instead of an embedded one")
-    run.add_argument(
-        "--store", help="fleet store (SQLite) to record the job in (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
-    )
+    run.add_argument("--store", help=f"the {STORE_HELP} to record the job in")
     run.add_argument("--no-store", action="store_true", help="record the job in no fleet store")
     run.add_argument(
         "--stop-file",
@@ -28,9 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(deploy/kuberay: a preStop hook touches it)",
     )
 
+
+def _add_submit(sub) -> None:
     submit = sub.add_parser("submit", help="submit a job to a running Ray cluster (Ray Jobs API)")
     submit.add_argument("job", help="job file (TOML)")
-    submit.add_argument("--address", required=True, help="the Ray dashboard's URL, e.g. http://127.0.0.1:8265")
+    submit.add_argument("--address", required=True, help=ADDRESS_HELP)
     submit.add_argument(
         "--working-dir",
         help="upload this directory as the job's working directory "
@@ -42,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--store", help="fleet store path as the head node sees it")
     submit.add_argument("--summary", help="where the head node writes the run summary (JSON)")
     submit.add_argument("--chaos", help="fault injection that needs no control of nodes: slow@S[:H] (a straggler)")
+
+
+def _add_submitted(sub) -> None:
+    """status, logs and stop: what to ask of a submitted job."""
     for name, text in (
         ("status", "a submitted job's state (all remesh jobs without an id)"),
         ("logs", "a submitted job's output"),
@@ -49,21 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("id", nargs="?" if name == "status" else None, help="submission id (from remesh submit)")
-        p.add_argument("--address", required=True, help="the Ray dashboard's URL, e.g. http://127.0.0.1:8265")
+        p.add_argument("--address", required=True, help=ADDRESS_HELP)
         if name == "status":
-            p.add_argument(
-                "--store", help="fleet store to read progress from (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)"
-            )
+            p.add_argument("--store", help=f"the {STORE_HELP} to read progress from")
             p.add_argument("--dashboard", help="read progress from a `remesh dashboard` at this URL instead")
             p.add_argument("--json", action="store_true")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
 
+
+def _add_dashboard(sub) -> None:
     dash = sub.add_parser("dashboard", help="serve the fleet dashboard and its JSON API")
-    dash.add_argument("--store", help="fleet store (default: $REMESH_FLEET_DB or ~/.remesh/fleet.db)")
+    dash.add_argument("--store", help=STORE_HELP)
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     dash.add_argument("--port", type=int, default=8266)
 
+
+def _add_plan(sub) -> None:
     plan = sub.add_parser("plan", help="plan a job's step (JOB.toml) or a function (MODULE:ATTR returns (fn, args))")
     plan.add_argument("target", help="a job file (its program, batch, hardware and planner level) or MODULE:ATTR")
     plan.add_argument("--devices", type=int, required=True)
@@ -89,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also compile the plan (on N fake CPU devices unless N devices exist) and show what XLA does",
     )
 
+
+def _add_ckpt(sub) -> None:
     ckpt = sub.add_parser("ckpt", help="list, inspect and verify checkpoints (remesh or plain Orbax)")
     ckpt.add_argument("action", choices=("ls", "inspect", "verify"))
     ckpt.add_argument("path")
@@ -98,26 +115,37 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--hardware", default="cpu", help="inspect: hardware profile to plan the restore for")
     ckpt.add_argument("--json", action="store_true")
 
-    return parser
-
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = {
+        "run": _run,
+        "plan": _plan,
+        "ckpt": _ckpt,
+        "submit": _submit,
+        "status": _status,
+        "logs": _logs,
+        "stop": _stop,
+        "dashboard": _dashboard,
+    }[args.command]
     try:
-        return {
-            "run": _run,
-            "plan": _plan,
-            "ckpt": _ckpt,
-            "submit": _submit,
-            "status": _status,
-            "logs": _logs,
-            "stop": _stop,
-            "dashboard": _dashboard,
-        }[args.command](args)
-    except (ValueError, KeyError, FileNotFoundError, MemoryError) as e:
-        # Every error a user can cause is one of these, with a message that says how to fix it.
+        return command(args)
+    except Exception as e:
+        if not _users_error(e):
+            raise
         print(f"remesh {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _users_error(e: Exception) -> bool:
+    """Every error a user can cause is one of these, with a message that says how to fix it. An
+    unknown hardware profile is a KeyError, as a missing key in a mapping is; any other KeyError
+    is a bug and keeps its traceback. (The partitioner is not imported for this: `remesh plan
+    --verify` must set XLA_FLAGS before jax is imported.)"""
+    kinds = [ValueError, FileNotFoundError, MemoryError]
+    if (hardware := sys.modules.get("partitioner.hardware")) is not None:
+        kinds.append(hardware.UnknownHardwareError)
+    return isinstance(e, tuple(kinds))
 
 
 def _run(args) -> int:
@@ -208,6 +236,8 @@ def _dashboard(args) -> int:
 
 
 def _print_summary(summary, path) -> None:
+    from partitioner import mesh_text
+
     d = summary.to_dict()
     losses = [leaf for leaf in d["losses"] if leaf is not None]
     print(
@@ -217,7 +247,7 @@ def _print_summary(summary, path) -> None:
     if losses:
         print(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     for s in d["segments"]:
-        mesh = " x ".join(f"{k}={v}" for k, v in s["mesh"].items())
+        mesh = mesh_text(s["mesh"], every=True)
         print(
             f"  segment: steps {s['first_step']}-{s['last_step']} on {s['hosts']} hosts, {s['devices']} devices, mesh {mesh}"
         )
@@ -241,61 +271,9 @@ def _print_summary(summary, path) -> None:
 
 
 def _plan(args) -> int:
+    from . import plan
 
-    if args.verify and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        # Before jax is imported: lets a machine without N accelerators compile the plan on CPU.
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-        )
-    import partitioner
-
-    sys.path.insert(0, os.getcwd())
-    fn, fargs, hardware, level, planner = _plan_target(args)
-    if planner == "shapes":
-        p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=hardware)
-    else:
-        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=hardware, level=level)
-    if args.json:
-        print(p.to_json())
-        return 0
-    print(p.describe())
-    c = p.cost
-    print(
-        f"  predicted step: {c.total_seconds * 1e3:.3f} ms (compute {c.compute_seconds * 1e3:.3f} ms, "
-        f"communication {c.communication_seconds * 1e3:.3f} ms); peak {c.peak_bytes_per_device / 2**20:.1f} MiB/device"
-    )
-    for kind, n in c.collective_bytes.items():
-        print(f"  {kind}: {n / 2**20:.2f} MiB per device")
-    for n in p.notes:
-        print(f"  note: {n}")
-    print(f"  searched in {p.search_seconds:.3f} s")
-    if args.verify:
-        v = partitioner.verify(p, fn, *fargs, hardware=hardware)
-        print("compiled by XLA:")
-        print("\n".join("  " + line for line in v.table().splitlines()))
-    return 0
-
-
-def _plan_target(args):
-    """(fn, args, hardware, level, planner) for `remesh plan`: from a job file, its step on its
-    abstract state and batch, planned as the job plans it (its hardware, its planner and level) unless
-    the options say otherwise; from MODULE:ATTR, what ATTR() returns, priced with --hardware (default
-    h100)."""
-    import importlib
-
-    if args.target.endswith(".toml"):
-        from ..job.jobfile import load_job
-        from ..job.program import check_program, load_program
-
-        job = load_job(args.target)
-        program = load_program(job.program, job.settings())
-        state, batch = check_program(program, job.global_batch, job.seed)
-        planner = args.planner or ("shapes" if job.planner == "shapes" else "search")
-        level = args.level or (job.planner if job.planner != "shapes" else "fast")
-        return program.step, (state, batch), args.hardware or job.hardware, level, planner
-    module, _, attr = args.target.partition(":")
-    fn, fargs = getattr(importlib.import_module(module), attr)()
-    return fn, fargs, args.hardware or "h100", args.level or "fast", args.planner or "search"
+    return plan.run(args)
 
 
 def _ckpt(args) -> int:

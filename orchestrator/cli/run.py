@@ -1,4 +1,4 @@
-"""`remesh run`: wire a job file to a cluster, a planner and a controller, and run it."""
+"""`remesh run`: wire a job file to a cluster, a planner, a controller and its callbacks, and run it."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ import dataclasses
 import os
 import signal
 import socket
-import sys
 import threading
 
-from ..control.controller import ControllerConfig, JobController, program_fingerprint
+from ..control.controller import ControllerConfig, JobController
+from ..control.planning import PlanCache, program_fingerprint
 from ..fleet.store import FleetStoreConfig
 from ..job.jobfile import JobSpec
-from ..job.program import check_program, load_program
-from ..telemetry.console import Console
-from ..telemetry.metrics import RayMetrics
-from ..telemetry.recorder import FleetRecorder
-from ..testing.chaos import ANY_CLUSTER, ChaosSpecError, parse_chaos
-from ..worker.segment import step_flops
+from ..job.program import check_program, importable_from_here, load_program
+from ..metrics import RayMetrics
+from ..telemetry.console import Console, ConsoleCallback
+from ..telemetry.goodput import GoodputCallback
+from ..telemetry.recorder import FleetRecorder, Recorder, RecorderCallback
+from ..telemetry.summary import RunSummary, SummaryCallback
+from ..testing.chaos import ANY_CLUSTER, ChaosCallback, ChaosSpecError, parse_chaos
+from ..worker.compile import step_flops
 
 
 def run_job(
@@ -31,88 +33,96 @@ def run_job(
     printer=None,
     store: FleetStoreConfig | None = FleetStoreConfig(),  # noqa: B008 (frozen)
     cluster_name: str | None = None,
-):
+) -> RunSummary:
     """Run `job` to completion on an embedded local cluster (or the Ray cluster at `address`);
     returns the RunSummary. Progress goes to the fleet store `store` (None: nowhere) under the
     cluster's name (`cluster_name`, else $REMESH_CLUSTER, else where it runs)."""
-    import partitioner
-
-    from ..hosts.cluster import LocalClusterConfig, RayCluster
-
     faults = parse_chaos(chaos)
     if address and any(f.kind not in ANY_CLUSTER for f in faults):
         raise ChaosSpecError(
             "--chaos lose, add and lose-in-save kill and add emulated hosts, which needs the embedded "
             f"cluster: drop --address (on a running cluster only {', '.join(ANY_CLUSTER)} applies)"
         )
-    sys.path.insert(0, os.getcwd())  # programs are named relative to the directory the job runs in
+    importable_from_here()
     program = load_program(job.program, job.settings())
     state, batch = check_program(program, job.global_batch, job.seed)
-    fingerprint = program_fingerprint(job.program, state, batch)
+    plans = PlanCache(job_planner(job, program.step, state, batch), program_fingerprint(job.program, state, batch))
     model_flops = step_flops(program.step, (state, batch))["model_flops"]  # once, for every host's MFU
-
-    def planner(devices: int):
-        if job.planner == "shapes":
-            return partitioner.plan_by_shapes(program.step, state, batch, devices=devices, hardware=job.hardware)
-        # No compile check here: the driver's devices are not the cluster's (one CPU device on a
-        # real head node, where the check is skipped anyway), and every re-plan is on the
-        # recovery path. `remesh plan` shows what the check would choose.
-        return partitioner.plan(
-            program.step, state, batch, devices=devices, hardware=job.hardware, level=job.planner, compile_check=False
-        )
-
     config = _with_job_paths(config or ControllerConfig(), job)
     committed = lambda: _committed_step(job.checkpoint.dir)
     with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console
-        if committed() >= job.steps:
-            cluster = _NoHosts()  # a finished job: the controller ends it before asking for hosts
-        elif address:
-            cluster = RayCluster(address)
-        else:
-            if printer is None:
-                log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
-                printer = stack.enter_context(Console(log)).print
-                printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
-            n = hosts or job.hosts.max
-            printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
-            cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
-        stack.callback(cluster.shutdown)
-        keepers = None
-        if not isinstance(cluster, _NoHosts):  # keepers start only when a group asks for them
-            from ..hosts.keepers import Keepers, KeepersConfig
-
-            keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))
-            stack.callback(keepers.shutdown)  # before the cluster goes
-        standby = None
-        if not isinstance(cluster, _NoHosts) and not address:
-            # Only on a cluster of its own: standby actors hold no host resource, so on a shared
-            # cluster two jobs could take the same hosts; there each group is gang-scheduled by a
-            # placement group that reserves them (and a recovery spawns its actors).
-            from ..hosts.group import StandbyPool
-
-            standby = StandbyPool(modules=(job.program.split(":")[0],))
-            stack.callback(standby.shutdown)
-        recorder = None
+        cluster, printer = _cluster(job, stack, committed() >= job.steps, address, hosts, printer)
+        keepers, standby = _keepers_and_standby(job, config, cluster, stack, address)
+        recorder = Recorder()
         if store is not None:
             name = cluster_name or os.environ.get("REMESH_CLUSTER") or _cluster_name(address)
             recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics(), step_rows=store.step_rows)
-        controller = JobController(
-            job,
-            cluster,
-            planner=planner,
-            fingerprint=fingerprint,
-            config=config,
-            chaos=faults,
-            printer=printer,
-            recorder=recorder,
-            model_flops=model_flops,
-            committed=committed,
-            snapshots=keepers,
-            standby=standby,
-        )
+        goodput = GoodputCallback()
+        summary = SummaryCallback(goodput)
+        callbacks = [goodput, summary, RecorderCallback(recorder, goodput, summary), ConsoleCallback(printer)]
+        if faults:
+            callbacks.append(ChaosCallback(faults, printer))
+        controller = JobController(job, cluster, plans=plans, config=config, callbacks=callbacks,
+                                   model_flops=model_flops, committed=committed, snapshots=keepers,
+                                   standby=standby)  # fmt: skip
         with _stop_on_signals(controller):
-            summary = controller.run()
-    return summary
+            controller.run()
+    return summary.summary
+
+
+def job_planner(job: JobSpec, step, state, batch):
+    """devices -> the plan of the job's step for that many devices, as the job file says to plan."""
+    import partitioner
+
+    def planner(devices: int):
+        if job.search_level is None:
+            return partitioner.plan_by_shapes(step, state, batch, devices=devices, hardware=job.hardware)
+        # No compile check here: the driver's devices are not the cluster's (one CPU device on a
+        # real head node, where the check is skipped anyway), and every re-plan is on the
+        # recovery path. `remesh plan` shows what the check would choose.
+        return partitioner.plan(step, state, batch, devices=devices, hardware=job.hardware, level=job.search_level,
+                                compile_check=False)  # fmt: skip
+
+    return planner
+
+
+def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: int | None, printer):
+    """The cluster to run on, its shutdown on `stack`, and where the controller's lines go."""
+    from ..hosts.cluster import LocalClusterConfig, RayCluster
+
+    if finished:
+        cluster = _NoHosts()  # a finished job: the controller ends it before asking for hosts
+    elif address:
+        cluster = RayCluster(address)
+    else:
+        if printer is None:
+            log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
+            printer = stack.enter_context(Console(log)).print
+            printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
+        n = hosts or job.hosts.max
+        printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
+        cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
+    stack.callback(cluster.shutdown)
+    return cluster, printer or (lambda line: print(line, flush=True))
+
+
+def _keepers_and_standby(job: JobSpec, config: ControllerConfig, cluster, stack, address: str | None):
+    """The keepers of peer snapshots (they start only when a group asks for them), and the pool
+    of standby actors: only on a cluster of its own, since standby actors hold no host resource
+    and on a shared cluster two jobs could take the same hosts; there each group is gang-scheduled
+    by a placement group that reserves them (and a recovery spawns its actors)."""
+    if isinstance(cluster, _NoHosts):
+        return None, None
+    from ..hosts.keepers import Keepers, KeepersConfig
+    from ..hosts.standby import StandbyPool
+
+    keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))
+    stack.callback(keepers.shutdown)  # before the cluster goes
+    if address:
+        return keepers, None
+    standby = StandbyPool(modules=(job.program.split(":")[0],))
+    stack.callback(standby.shutdown)
+    return keepers, standby
 
 
 def _with_job_paths(config: ControllerConfig, job: JobSpec) -> ControllerConfig:

@@ -116,7 +116,9 @@ class JobStatus:
         if r.get("steps_completed") is not None and r.get("steps"):
             parts.append(f"step {r['steps_completed']}/{r['steps']}")
         if r.get("mesh"):
-            parts.append("mesh " + " x ".join(f"{k}={v}" for k, v in r["mesh"].items()))
+            from partitioner import mesh_text
+
+            parts.append("mesh " + mesh_text(r["mesh"], every=True))
         if r.get("hosts"):
             parts.append(f"hosts {r['hosts']}")
         if r.get("tokens_per_second"):

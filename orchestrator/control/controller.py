@@ -1,54 +1,41 @@
-"""The job controller: an explicit state machine that executes policy decisions.
+"""The job controller: a state machine that executes the decisions of its policies.
 
-    PLANNING --plan for the hosts there are--> STARTING --new group, restore--> RUNNING
-    PLANNING --the last step is already committed--> FINISHED
-    RUNNING --hosts lost--> (FailurePolicy) PLANNING | FAILED
-    RUNNING --more hosts--> (ScalingPolicy) stop at the next checkpoint --> PLANNING
-    RUNNING --segment ended without a new step--> (FailurePolicy) PLANNING | FAILED
-    RUNNING --last step--> FINISHED
-    RUNNING --request_stop (a signal)--> STOPPING --the step reached saved, or grace over--> STOPPED
-
-`step()` performs exactly one transition (in RUNNING: one poll of the hosts), so a test can drive
-it one move at a time; `run()` loops until a terminal phase. Clocks, the poll interval, the
-planner and the host-group class are parameters.
+`step()` performs exactly one transition (in Running: one poll of the hosts), so a test can drive
+it one move at a time; `run()` loops until a terminal state. The states and the transitions
+between them are in state.py, each state carrying its own data. The controller only decides and
+acts: everything that watches a job (the run summary, the goodput ledger, the fleet store, Ray's
+metrics, the terminal, fault injection) is a callback (callbacks.py). Clocks, the poll interval,
+the planner and the host-group class are parameters.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-import enum
-import hashlib
-import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..hosts.group import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
 from ..job.jobfile import JobSpec
-from ..telemetry.goodput import REPORT_CATEGORY, USEFUL, Ledger, Throughput
-from ..telemetry.recorder import Recorder
-from ..telemetry.summary import RunSummary
-from ..testing.chaos import PHASES, ChaosInjector, Fault
-from ..worker.segment import SegmentSpec, plan_key
+from ..protocol import Compile, CompileAhead, Event, EventKind, Report, Restore, SegmentSpec, Step
 from . import policies
-
-LOSS_BADPUT = ("lost", "startup", "planning", "compile", "restore")  # what a host loss costs
-
-
-class Phase(enum.Enum):
-    PLANNING = "planning"
-    STARTING = "starting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (Phase.FINISHED, Phase.FAILED, Phase.STOPPED)
+from .callbacks import Callbacks, ControllerCallback
+from .planning import PlanCache
+from .state import (
+    Failed,
+    Finished,
+    Phase,
+    Planning,
+    Recovery,
+    Running,
+    Segment,
+    Starting,
+    State,
+    StopOutcome,
+    Stopped,
+    Stopping,
+)
 
 
 class JobStopped(BaseException):
@@ -75,17 +62,14 @@ class JobController:
         job: JobSpec,
         cluster,
         *,
-        planner: Callable,
-        fingerprint: str,
+        plans: PlanCache,
         config: ControllerConfig = ControllerConfig(),
-        chaos: tuple[Fault, ...] = (),
+        callbacks: Sequence[ControllerCallback] = (),
         scaling: policies.ScalingPolicy | None = None,
         failure: policies.FailurePolicy | None = None,
         group_cls=HostGroup,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        printer: Callable[[str], None] | None = None,
-        recorder: Recorder | None = None,
         wall: Callable[[], float] = time.time,
         model_flops: float | None = None,
         committed: Callable[[], int] = lambda: 0,
@@ -93,285 +77,138 @@ class JobController:
         standby=None,
     ):
         """`committed`: the newest committed checkpoint step (a re-run of a finished job ends at once).
-        `snapshots`: the peer snapshots' keepers (`snapshots.Keepers`); None: restores read the disk.
-        `standby`: a `hosts.StandbyPool` the groups take their actors from; None: each group spawns."""
-        self.job = job
-        self.cluster = cluster
-        self.planner = planner
-        self.fingerprint = fingerprint
-        self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
-        self.committed = committed
-        self.snapshots = snapshots
-        self.standby = standby
-        self.config = config
+        `snapshots`: the peer snapshots' keepers (`hosts.keepers.Keepers`); None: restores read the disk.
+        `standby`: a `hosts.standby.StandbyPool` the groups take their actors from; None: each group spawns."""
+        self.job, self.cluster, self.plans, self.config = job, cluster, plans, config
         self.scaling = scaling or policies.ScalingPolicy(job.hosts.min, job.hosts.max)
         self.failure = failure or policies.FailurePolicy(job.hosts.min, job.hosts.max)
-        self.chaos = ChaosInjector(chaos)
-        self.group_cls = group_cls
-        self.clock, self.sleep = clock, sleep
-        self.print = printer or (lambda line: print(line, flush=True))
-        self.phase = Phase.PLANNING
-        self.summary = RunSummary(job=job.name, steps=job.steps)
-        self.recorder = recorder or Recorder()
-        self.wall = wall  # wall-clock time, which host reports are stamped with
-        self.ledger = Ledger(wall())
-        self.throughput = Throughput()
-        self._segment_throughputs: list[Throughput] = []  # one per summary segment
-        self._t0 = clock()
-        self._target: int | None = None  # hosts the next segment should run on
-        self._plans: dict[tuple[str, int], object] = {}
-        self._ahead: dict[tuple[str, int], concurrent.futures.Future] = {}  # plans being made ahead
-        self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._planned_ahead: set[tuple[str, int]] = set()
-        self._plan = None
-        self._group: HostGroup | None = None
-        self._segment: dict | None = None
-        self._failures = 0  # in a row: reset once a group gets past the step the last loss reached
-        self._recovering_since: float | None = None  # loss detected at, until the first new step
-        self._snapshot_every = 0  # the group's peer snapshot interval, as its last step reported it
-        # A host loss being recovered from: the step reached, the ledger then, and whether the
-        # restore (which says how many steps are computed again) has been reported.
-        self._loss: dict | None = None
-        self._stopping = False  # a resize is waiting for the next checkpoint boundary
-        self._stop_reason: str | None = None  # a stop was requested (a signal)
-        self._stop_deadline = 0.0
-        self._stalled = 0  # segments in a row that ended without a new step
-        self._segment_from = 0  # the step the running segment started after
-        self._last_host_check = 0.0
-        self._injected: dict[str, float] = {}  # node id -> when chaos killed it
-        self._executables: dict[str, dict] = {}  # plan key -> programs compiled ahead for it
+        self.group_cls, self.clock, self.sleep, self.wall = group_cls, clock, sleep, wall
+        self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
+        self.committed, self.snapshots, self.standby = committed, snapshots, standby
+        self.callbacks = Callbacks(callbacks)
+        self.state: State = Planning()
+        self.step_reached = 0  # the highest step known done: reported, or restored (a resumed run starts there)
+        self.segments: list[Segment] = []
+        self.started_wall, self._t0 = wall(), clock()
+        self.group: HostGroup | None = None
+        self._stop_request: str | None = None  # a stop asked for (a signal), not yet begun
+        # The reports that change the controller's own data; every report goes to the callbacks.
+        self._handlers = {
+            Step: self._stepped,
+            Restore: self._restored,
+            Compile: self._compiled,
+            CompileAhead: self.plans.compiled_ahead,
+        }
+        self.callbacks.on_attach(self)
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    @property
+    def segment(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+    def now(self) -> float:
+        """Seconds since the job began, on the controller's clock (events are stamped with it)."""
+        return self.clock() - self._t0
 
     # -- the state machine -------------------------------------------------------------------
     def step(self) -> Phase:
-        if self._stop_reason and self.phase is Phase.RUNNING:
-            self.phase = self._begin_stop()
-            return self.phase
-        handler = {
-            Phase.PLANNING: self._planning,
-            Phase.STARTING: self._starting,
-            Phase.RUNNING: self._running,
-            Phase.STOPPING: self._stopping_hosts,
-        }[self.phase]
-        self.phase = handler()
-        return self.phase
+        state = self.state
+        if self._stop_request and isinstance(state, Running):
+            return self._set(self._begin_stop(state))
+        handler = {Planning: self._planning, Starting: self._starting, Running: self._running, Stopping: self._stopping}
+        return self._set(handler[type(state)](state))
+
+    def _set(self, state: State) -> Phase:
+        previous, self.state = self.state, state
+        if state is not previous:
+            self.callbacks.on_state(self, previous, state)
+        return state.phase
 
     def request_stop(self, reason: str) -> None:
         """Stop the job (from a signal handler, say): a training group saves the step it reached
         and ends within `stop_grace_s`; in any other phase, or asked twice, stop at once."""
-        if self._stop_reason is not None or self.phase not in (Phase.RUNNING, Phase.STOPPING):
+        if self._stop_request is not None or self.phase not in (Phase.RUNNING, Phase.STOPPING):
             raise JobStopped(reason)
-        self._stop_reason = reason
+        self._stop_request = reason
 
-    def run(self) -> RunSummary:
-        self.recorder.started()
+    def run(self) -> State:
+        self.callbacks.on_start(self)
         try:
             while not self.phase.is_terminal:
                 self.step()
         except JobStopped as e:
-            self.phase = Phase.STOPPED
-            self.summary.reason = str(e)
-            self.print(f"stop  {e}: stopped at once after step {self._done_step()}")
+            self._set(Stopped(str(e), StopOutcome.AT_ONCE))
         finally:
             self._stop_group()
-            if self._ahead_pool is not None:
-                self._ahead_pool.shutdown(wait=False, cancel_futures=True)
-            self.summary.state = self.phase.value
-            self.summary.wall_seconds = self._now()
-            self.summary.goodput = self.ledger.breakdown(self.wall())
-            self.summary.throughput = self.throughput.summary()
-            self._record_status()  # also the segments' medians
-            self.recorder.close()
-        return self.summary
+            self.plans.shutdown()
+            self.callbacks.on_end(self)
+        return self.state
 
-    def _segment_medians(self) -> None:
-        for seg, t in zip(self.summary.segments, self._segment_throughputs):
-            s = t.summary()
-            seg.update({f"median_{k}": s[k] for k in ("step_seconds", "tokens_per_second", "mfu")})
+    def _event(self, kind: str, step: int | None = None, seconds: float = 0.0, **fields) -> None:
+        step = self.step_reached if step is None else step
+        self.callbacks.on_event(self, Event(kind, step, self.now(), seconds, fields))
 
-    def _event(self, kind: str, **fields) -> dict:
-        e = self.summary.event(kind, **fields)
-        self.recorder.event({**e, "at": self.ledger.start + e["at"]})  # the store keeps wall-clock times
-        return e
-
-    def _record_status(self) -> None:
-        seg = self._segment or {}
-        goodput = self.summary.goodput or self.ledger.breakdown(self.wall())
-        recent = self.throughput.recent(20)
-        self._segment_medians()
-        self.recorder.status(
-            state=self.phase.value,
-            steps_completed=self._done_step(),
-            mesh=seg.get("mesh", {}),
-            hosts=seg.get("hosts", 0),
-            devices=seg.get("devices", 0),
-            reason=self.summary.reason,
-            tokens_per_second=recent["tokens_per_second"],
-            mfu=recent["mfu"],
-            goodput_ratio=goodput["goodput_ratio"],
-            goodput=goodput,
-            throughput=self.summary.throughput or self.throughput.summary(),
-            segments=self.summary.segments,
-        )
-
-    def _now(self) -> float:
-        return self.clock() - self._t0
-
-    def _done_step(self) -> int:
-        return self.summary.steps_completed
-
-    # -- PLANNING ----------------------------------------------------------------------------
-    def _planning(self) -> Phase:
-        if not self.summary.segments and self._done_step() == 0:
+    # -- Planning ----------------------------------------------------------------------------
+    def _planning(self, state: Planning) -> State:
+        if not self.segments and self.step_reached == 0:
             committed = self.committed()
             if committed >= self.job.steps:
-                self.summary.reached(committed)
-                self.summary.reason = (
+                self.step_reached = max(self.step_reached, committed)
+                return Finished(
                     f"already complete: step {committed} of {self.job.steps} is committed in {self.job.checkpoint.dir}"
                     " (to train again, use a new checkpoint directory or more steps)"
                 )
-                return Phase.FINISHED
         available = len(self.cluster.alive_hosts())
-        if self._target is None:
+        target = state.target
+        if target is None:
             decision = self.scaling.initial(available)
             if isinstance(decision, policies.Fail):
-                return self._fail(decision.reason)
-            self._target = decision.hosts
-        # Hosts may have gone since the decision was made; run on what is there now.
-        self._target = min(self._target, available)
-        if self._target < self.job.hosts.min:
-            return self._fail(f"{available} hosts left, the job needs at least {self.job.hosts.min} (hosts.min)")
-        hosts = self._target
-        devices = hosts * self.job.hosts.devices_per_host
+                return Failed(decision.reason)
+            target = decision.hosts
+        target = min(target, available)  # hosts may have gone since the decision was made
+        if target < self.job.hosts.min:
+            return Failed(f"{available} hosts left, the job needs at least {self.job.hosts.min} (hosts.min)")
         t, wall = self.clock(), self.wall()
-        key = (self.fingerprint, devices)
-        if key in self._ahead:
-            self._plans[key] = self._ahead.pop(key).result()
-        ahead = key in self._planned_ahead  # planned while an earlier group trained
-        cached = key in self._plans
-        if not cached:  # on the planning thread if there is one: one search at a time
-            pool = self._ahead_pool
-            self._plans[key] = pool.submit(self.planner, devices).result() if pool else self.planner(devices)
-        self._plan = self._plans[key]
-        self.ledger.add("planning", wall, self.wall())
-        self.ledger.gap = "startup"  # until the new group's first report
-        self._event(
-            "replan",
-            step=self._done_step(),
-            at=self._now(),
-            seconds=self.clock() - t,
-            devices=devices,
-            mesh=dict(self._plan.mesh),
-            cached=cached,
-            ahead=ahead,
-            notes=list(self._plan.notes),
-        )
-        used = self._hosts_used()
-        idle = (
-            f"\n      note: {hosts - used} of {hosts} hosts left idle: the plan uses {self._plan.devices_used} devices"
-            if used < hosts
-            else ""
-        )
-        self.print(
-            f"plan  {self._plan.describe()} on {used} hosts"
-            + (" (planned ahead)" if ahead else " (cached)" if cached else "")
-            + "".join(f"\n      note: {n}" for n in self._plan.notes)
-            + idle
-        )
-        return Phase.STARTING
+        planned = self.plans.plan(target * self.job.hosts.devices_per_host)
+        plan = planned.plan
+        starting = Starting(plan, target, self._hosts_used(plan, target), planned.cached, planned.ahead,
+                            state.recovery, state.stalled, planning_wall=(wall, self.wall()))  # fmt: skip
+        self._event(EventKind.REPLAN, seconds=self.clock() - t, devices=target * self.job.hosts.devices_per_host,
+                    mesh=dict(plan.mesh), cached=planned.cached, ahead=planned.ahead, notes=list(plan.notes))  # fmt: skip
+        return starting
 
-    def _hosts_used(self) -> int:
+    def _hosts_used(self, plan, target: int) -> int:
         """Hosts whose devices the plan uses: a host none of whose devices is in the mesh would
         only wait on the others, so it is not started."""
-        per_host = self.job.hosts.devices_per_host
-        return min(self._target, -(-self._plan.devices_used // per_host))
+        return min(target, -(-plan.devices_used // self.job.hosts.devices_per_host))
 
-    # -- STARTING ----------------------------------------------------------------------------
-    def _starting(self) -> Phase:
-        hosts = self._hosts_used()
+    # -- Starting ----------------------------------------------------------------------------
+    def _starting(self, state: Starting) -> State:
         t = self.clock()
         try:
-            config = HostGroupConfig(env_vars=self._host_env())
-            self._group = self.group_cls(hosts, config, self.standby)
+            self.group = self.group_cls(state.hosts, HostGroupConfig(env_vars=self._host_env()), self.standby)
         except HostsUnavailableError as e:
-            self.print(f"warn  {e}; re-planning")
-            self._target = None
-            return Phase.PLANNING
+            self.callbacks.on_warning(self, f"{e}; re-planning")
+            return Planning(None, state.recovery, state.stalled)
         spawn = self.clock() - t
-        hangs = self.chaos.hangs(self._done_step())
-        freeze = {f.host_in(hosts): f.step for f in hangs if f.phase == "save"}
-        # A host carrying several phase faults hangs in the first of those phases it reaches.
-        phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
-        slow = {(h if h is not None else hosts - 1): s for h, s in self.chaos.slow_hosts().items()}
-        plan_json = self._plan.to_json()
-        spec_for = lambda i, coordinator: self._spec(
-            i, coordinator, hosts, plan_json, freeze.get(i), slow.get(i), phase.get(i)
-        )
-        snapshots = self._snapshot_plans()
+        plan_json = state.plan.to_json()
+        hooks = self.callbacks.test_hooks(self, state.hosts)
+        spec_for = lambda i, coordinator: self._spec(i, coordinator, state.hosts, plan_json, hooks.get(i))
         try:
-            self._group.start(spec_for, snapshots, self._executables.get(plan_key(plan_json)))
+            self.group.start(spec_for, self._snapshot_plans(), self.plans.executables(plan_json))
         except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss
-            return self._on_hosts_lost(e)
-        if self._loss is not None:  # a recovery: a host that joins now arrives in the middle of it
-            for fault in self.chaos.recovery_adds(self._loss["step"]):
-                self.print(f"chaos {fault}: adding a host while the new group starts")
-                self.cluster.add_host()
-        self._segment = {
-            "mesh": dict(self._plan.mesh),
-            "hosts": hosts,
-            "devices": self._plan.devices_used,
-            "first_step": None,
-            "last_step": None,
-            "spawn_seconds": round(spawn, 3),
-            "started_at": round(t - self._t0, 3),
-            "first_step_at": None,
-            "plan": self._plan.describe(),
-        }
-        self._segment_throughputs.append(Throughput())
-        self.summary.segments.append(self._segment)
-        self._record_status()
-        self._stopping = False
-        self._segment_from = self._done_step()
-        self._last_host_check = self.clock()
-        return Phase.RUNNING
+            return self._on_hosts_lost(e, state.target, state.recovery)
+        segment = Segment(len(self.segments), dict(state.plan.mesh), state.hosts, state.plan.devices_used,
+                          state.plan.describe(), round(spawn, 3), round(t - self._t0, 3))  # fmt: skip
+        self.segments.append(segment)
+        return Running(segment, state.target, self.step_reached, state.recovery, state.stalled,
+                       last_host_check=self.clock())  # fmt: skip
 
     def _host_env(self) -> dict:
         return {**self.cluster.host_env(), **self.config.env_vars}
-
-    def _prepare_next(self) -> None:
-        """What the next group will need, made while this one trains: a standby actor on every live
-        host, and plans for the meshes a resize would likely go to (a host fewer, a host more)."""
-        if self.standby is not None:
-            self.standby.refill(self.cluster.alive_hosts(), self._host_env())
-        hosts = self._segment["hosts"] if self._segment else 0
-        for n in (hosts - 1, hosts + 1):
-            key = (self.fingerprint, n * self.job.hosts.devices_per_host)
-            if self.job.hosts.min <= n <= self.job.hosts.max and key not in self._plans and key not in self._ahead:
-                if self._ahead_pool is None:
-                    self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remesh-plan")
-                self._ahead[key] = self._ahead_pool.submit(self.planner, key[1])
-
-    def _preempted(self) -> bool:
-        path = self.config.stop_file
-        if not path or self._stop_reason or not os.path.exists(path):
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        self._stop_reason = f"preemption notice: {path} appeared"
-        return True
-
-    def _send_ahead(self) -> None:
-        """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles its
-        programs while it trains and reports them: a group on that plan loads them instead."""
-        for key in [k for k, f in self._ahead.items() if f.done()]:
-            try:
-                plan = self._ahead.pop(key).result()
-            except Exception as e:  # noqa: BLE001 (a resize plans again, on its own path)
-                self.print(f"warn  planning ahead for {key[1]} devices failed: {e}")
-                continue
-            self._plans[key] = plan
-            self._planned_ahead.add(key)
-            if plan.devices_used < self._plan.devices_used:
-                self._group.compile_ahead(plan.to_json())
 
     def _snapshot_plans(self) -> list | None:
         """Where each host keeps its snapshots, and the newest complete one to restore (at or after
@@ -379,20 +216,11 @@ class JobController:
         if self.snapshots is None or self.job.checkpoint.memory_budget <= 0:
             return None
         restore = None
-        if self.summary.segments:  # a new run's keepers hold nothing
+        if self.segments:  # a new run's keepers hold nothing
             restore = self.snapshots.newest(set(self.cluster.alive_hosts()), after=self.committed())
-        return self.snapshots.plans(self._group.node_ids, len(self.summary.segments), restore)
+        return self.snapshots.plans(self.group.node_ids, len(self.segments), restore)
 
-    def _spec(
-        self,
-        process_id: int,
-        coordinator: str,
-        hosts: int,
-        plan_json: str,
-        freeze: int | None,
-        slow: int | None = None,
-        freeze_in: str | None = None,
-    ) -> SegmentSpec:
+    def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, hook) -> SegmentSpec:
         job = self.job
         return SegmentSpec(
             program=job.program,
@@ -404,325 +232,185 @@ class JobController:
             coordinator=coordinator,
             num_processes=hosts,
             process_id=process_id,
-            segment=len(self.summary.segments),
-            freeze_before_save=freeze,
-            freeze_in=freeze_in,
-            slow_input_from=slow,
+            segment=len(self.segments),
             compilation_cache=self.config.compilation_cache,
-            fingerprint=self.fingerprint,
+            fingerprint=self.plans.fingerprint,
             hardware=job.hardware,
             job=job.name,
             model_flops=self.model_flops,
             options=dict(job.options),
+            test_hook=hook,
         )
 
-    # -- RUNNING -----------------------------------------------------------------------------
-    def _running(self) -> Phase:
+    # -- Running -----------------------------------------------------------------------------
+    def _running(self, state: Running) -> State:
         try:
-            statuses = self._group.poll()
+            statuses = self.group.poll()
         except HostsLostError as e:
             # Steps the survivors finished before the loss still count; if process 0 is gone,
             # the lowest surviving host speaks for the group (SPMD: they all report the same steps).
             self._take(e.survivors, speaker=min((host for host, _ in e.survivors), default=None))
-            return self._on_hosts_lost(e)
+            return self._on_hosts_lost(e, state.target, self.state.recovery)
         except SegmentFailedError as e:
             # The program itself raised: another mesh would fail the same way.
             self._stop_group()
-            return self._fail(str(e))
+            return Failed(str(e))
         self._take(enumerate(statuses))
-        self._send_ahead()
+        self._send_ahead(state)
         if self._preempted():
-            return Phase.RUNNING  # the next step begins the stop
-        if self.recorder.due():  # medians over every step: not at every poll
-            self._record_status()
-            self.recorder.flush()
+            return state  # the next step begins the stop
         if all(s.done for s in statuses):
-            return self._segment_ended()
-        self._inject_due_faults()
-        self._maybe_grow()
+            return self._segment_ended(state)
+        self.callbacks.on_poll(self)
+        self._maybe_grow(state)
         self.sleep(self.config.poll_interval_s)
-        return Phase.RUNNING
+        return state
 
     def _take(self, answered, speaker: int | None = 0) -> None:
         """Every report of the hosts that answered a poll: (host, status) pairs."""
         for host, status in answered:
             for report in status.reports:
-                self._on_report(host, report, speaker=speaker)
+                self._on_report(host, report, speaker)
 
-    def _segment_ended(self) -> Phase:
+    def _on_report(self, host: int, report: Report, speaker: int | None) -> None:
+        self.callbacks.on_report(self, host, report, host == speaker)
+        if host != speaker:
+            return  # SPMD: every host reports the same steps; one speaks for the group
+        handle = self._handlers.get(type(report))
+        extra = (handle(report) if handle else None) or {}
+        if report.EVENT:
+            self._event(report.KIND, getattr(report, "step", None), report.event_seconds(),
+                        **report.event_fields(), **extra)  # fmt: skip
+
+    def _stepped(self, report: Step) -> None:
+        self.step_reached = max(self.step_reached, report.step)
+        state, segment = self.state, self.segment
+        if segment.first_step is None:
+            segment.first_step, segment.first_step_at = report.step, round(self.now(), 3)
+            self._prepare_next()  # off the recovery path: this segment has its first step
+        segment.last_step, segment.snapshot_every = report.step, report.snapshot_every
+        recovery = getattr(state, "recovery", None)
+        if recovery is not None and not recovery.recovered:
+            recovery.recovered = True
+            self.callbacks.on_recovered(self, self.clock() - recovery.detected)
+        if recovery is not None and report.step > recovery.step:
+            state.recovery = None  # a step past the one reached at the loss: recovered from it
+
+    def _restored(self, report: Restore) -> dict:
+        extra = {"committed": self.committed()}  # nothing committed is lost: step >= this
+        recovery = getattr(self.state, "recovery", None)
+        if recovery is not None and not recovery.restored:
+            extra["recomputed"] = max(0, recovery.step - report.step)  # done before the loss, computed again
+            recovery.restored = True
+        self.step_reached = max(self.step_reached, report.step)  # a resumed run starts from there
+        return extra
+
+    def _compiled(self, report: Compile) -> None:
+        self.segment.model_flops, self.segment.device_flops = report.model_flops, report.device_flops
+
+    def _prepare_next(self) -> None:
+        """What the next group will need, made while this one trains: a standby actor on every live
+        host, and plans for the meshes a resize would likely go to (a host fewer, a host more)."""
+        if self.standby is not None:
+            self.standby.refill(self.cluster.alive_hosts(), self._host_env())
+        hosts = self.segment.hosts
+        for n in (hosts - 1, hosts + 1):
+            if self.job.hosts.min <= n <= self.job.hosts.max:
+                self.plans.plan_ahead(n * self.job.hosts.devices_per_host)
+
+    def _send_ahead(self, state: Running) -> None:
+        """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles its
+        programs while it trains and reports them: a group on that plan loads them instead."""
+        for devices, plan in self.plans.made_ahead():
+            if isinstance(plan, Exception):
+                self.callbacks.on_warning(self, f"planning ahead for {devices} devices failed: {plan}")
+            elif plan.devices_used < state.segment.devices:
+                self.group.compile_ahead(plan.to_json())
+
+    def _preempted(self) -> bool:
+        path = self.config.stop_file
+        if not path or self._stop_request or not os.path.exists(path):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        self._stop_request = f"preemption notice: {path} appeared"
+        return True
+
+    def _maybe_grow(self, state: Running) -> None:
+        if state.resize or self.clock() - state.last_host_check < self.config.host_check_interval_s:
+            return
+        state.last_host_check = self.clock()
+        alive = self.cluster.alive_hosts()
+        if self.standby is not None and state.segment.first_step is not None:
+            self.standby.refill(alive, self._host_env())  # a host that joined gets its standby actor
+        decision = self.scaling.on_progress(state.target, len(alive))
+        if isinstance(decision, policies.Resize):
+            state.resize, state.target = decision, decision.hosts
+            self._event(EventKind.HOST_ADDED, hosts=decision.hosts)
+            self.group.request_stop()
+
+    def _segment_ended(self, state: Running | Stopping) -> State:
         """Every host of the group is done: the job finished, was stopped, or goes on elsewhere."""
         self._stop_group()
-        if self._done_step() >= self.job.steps:
-            return Phase.FINISHED
-        if self._stop_reason:
-            self.print(f"      step {self._done_step()} committed; hosts stopped")
-            return Phase.STOPPED
-        return self._after_segment()  # stopped at a checkpoint boundary to resize, or stalled
-
-    def _after_segment(self) -> Phase:
-        """A segment ended before the last step. One that completed no new step is a stall, and
-        stalls in a row are bounded by the failure policy: never an endless restart loop."""
-        self._stalled = 0 if self._done_step() > self._segment_from else self._stalled + 1
-        decision = self.failure.on_segment_end(self._stalled, self._done_step())
+        if self.step_reached >= self.job.steps:
+            return Finished()
+        if isinstance(state, Stopping) or self._stop_request:
+            return Stopped(getattr(state, "reason", self._stop_request), StopOutcome.COMMITTED)
+        # Stopped at a checkpoint boundary to resize, or stalled. A segment that completed no new
+        # step is a stall, and stalls in a row are bounded by the failure policy: never an endless
+        # restart loop.
+        stalled = 0 if self.step_reached > state.started_after else state.stalled + 1
+        decision = self.failure.on_segment_end(stalled, self.step_reached)
         if isinstance(decision, policies.Fail):
-            return self._fail(decision.reason)
-        return Phase.PLANNING
+            return Failed(decision.reason)
+        return Planning(state.target, state.recovery, stalled)
 
-    # -- STOPPING ----------------------------------------------------------------------------
-    def _begin_stop(self) -> Phase:
-        grace = self.config.stop_grace_s
-        self.print(f"stop  {self._stop_reason}: saving the step reached, then stopping (at most {grace:.0f} s)")
-        self._group.request_stop(now=True)
-        self._stop_deadline = self.clock() + grace
-        return Phase.STOPPING
-
-    def _stopping_hosts(self) -> Phase:
-        self.summary.reason = self._stop_reason
-        try:
-            statuses = self._group.poll()
-        except (HostsLostError, SegmentFailedError) as e:
-            self.print(f"      hosts failed while stopping ({str(e).splitlines()[0]}); the newest commit stands")
-            self._stop_group()
-            return Phase.STOPPED
-        self._take(enumerate(statuses))
-        if all(s.done for s in statuses):
-            return self._segment_ended()
-        if self.clock() > self._stop_deadline:
-            self.summary.reason += (
-                f" (hosts did not finish within {self.config.stop_grace_s:.0f} s; the newest commit stands)"
-            )
-            self.print(f"      hosts did not finish within {self.config.stop_grace_s:.0f} s; stopping them")
-            self._stop_group()
-            return Phase.STOPPED
-        self.sleep(self.config.poll_interval_s)
-        return Phase.STOPPING
-
-    def _on_report(self, host: int, r: dict, speaker: int = 0) -> None:
-        kind, now = r["kind"], self._now()
-        if kind == "chaos_frozen":  # whichever host froze is the one to kill
-            self._kill(host, str(self.chaos.hung(r["phase"], r.get("step"))))
-            return
-        if kind == "step":
-            self.recorder.step(host, len(self.summary.segments), r, speaker=host == speaker)
-        if host != speaker:
-            return  # SPMD: every host reports the same steps; process 0 speaks for the group
-        self._account(r)
-        if kind == "step":
-            self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
-            self._snapshot_every = r.get("snapshot_every", 0)
-            seg = self._segment
-            if seg["first_step"] is None:
-                seg["first_step"], seg["first_step_at"] = r["step"], round(now, 3)
-                self._prepare_next()  # off the recovery path: this segment has its first step
-            seg["last_step"] = r["step"]
-            if self._recovering_since is not None:
-                recovery = self.clock() - self._recovering_since
-                self.summary.recovery_seconds.append(round(recovery, 3))
-                self._recovering_since = None
-                self.print(f"      recovered in {recovery:.1f} s")
-            self._charge_loss(r["step"])
-            self._progress(r)
-        elif kind == "eval":
-            self.summary.record_eval(r["step"], r["loss"], r.get("metrics"))
-            self._event(kind, step=r["step"], at=now, seconds=r["seconds"], loss=r["loss"], metrics=r.get("metrics"))
-            self.print(f"eval  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  ({r['seconds']:.2f} s)")
-        elif kind == "compile_ahead":
-            extra = {k: v for k, v in r.items() if k not in ("kind", "seconds", "executables")}
-            if "executables" in r:  # for the group that runs that plan; held here, where a host loss cannot take them
-                self._executables[r["executables"]["plan"]] = r["executables"]
-                extra["executables"] = sorted(k for k in r["executables"] if k != "plan")
-            self._event(kind, step=self._done_step(), at=now, seconds=r["seconds"], **extra)
-            what = f"failed: {r['error'][:200]}" if "error" in r else f"done in {r['seconds']:.1f} s"
-            self.print(f"      compiling ahead for {r.get('devices', '?')} devices {what}")
-        elif kind == "snapshot_unusable":
-            self.print(f"      the snapshot in host memory is unusable ({r['error'][:200]}); restoring from disk")
-        elif kind == "checkpoint_failed":
-            self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"], newest=r["newest"])
-            self.print(
-                f"warn  checkpoint step {r['step']} was not saved ({r['error'][:200]}); the newest commit "
-                f"stays step {r['newest']}, and training goes on"
-            )
-        elif kind == "checkpoint_corrupt":
-            self._event(kind, step=r["step"], at=now, seconds=0.0, error=r["error"])
-            self.print(
-                f"      checkpoint step {r['step']} is damaged, moved aside; trying the one before: {r['error'][:200]}"
-            )
-        elif kind in ("group_start", "compile", "restore", "checkpoint"):
-            extra = {k: v for k, v in r.items() if k not in ("kind", "step", "seconds", "at", "reported")}
-            if kind == "restore" and "reported" in r:
-                self._unreported(r["step"], r["reported"])
-            if kind == "restore":
-                extra["committed"] = self.committed()  # nothing committed is lost: step >= this
-                if self._loss is not None and not self._loss["restored"]:
-                    # Steps done before the loss that the group now computes again.
-                    extra["recomputed"] = max(0, self._loss["step"] - r["step"])
-                    self.summary.recomputed_steps.append(extra["recomputed"])
-                    self._loss["restored"] = True
-            self._event(kind, step=r.get("step", self._done_step()), at=now, seconds=r["seconds"], **extra)
-            if kind == "compile":
-                self.throughput.model_flops_per_step = r["model_flops"]
-                self._segment.update(model_flops=r["model_flops"], device_flops=r["device_flops"])
-            if kind == "restore":
-                self.summary.reached(r["step"])  # a resumed run starts from there
-                where = "host memory" if r.get("source") == "memory" else "disk"
-                again = f"; {extra['recomputed']} steps to compute again" if "recomputed" in extra else ""
-                self.print(f"      restored step {r['step']} from {where} in {r['seconds']:.2f} s{again}")
-
-    def _unreported(self, step: int, reported: dict) -> None:
-        """Steps up to the restored `step` whose reports never came: a group that went before its
-        last steps were polled, or, on a resume, a controller killed before it stored them. The
-        restored step's metadata kept them (`reported`: the segment that ran them, the reports)."""
-        done = self._done_step()
-        if done == 0:  # a resume (this run has no step of its own yet): they belong to an earlier run
-            self.recorder.resumed(step, {**reported, "segment": reported["segment"] + 1})
-            return
-        for r in reported["steps"]:
-            if done < r["step"] <= step:  # the store counts segments from 1, specs from 0
-                self.recorder.step(0, reported["segment"] + 1, r, speaker=False)
-                self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
-
-    def _charge_loss(self, step: int) -> None:
-        """Once a group computes a step past the one reached at a loss, what the ledger charged
-        meanwhile is the loss's badput, by category; its total counts detection and tear-down,
-        group start, planning, compile, restore and steps computed again (`LOSS_BADPUT`)."""
-        if self._loss is None or step <= self._loss["step"]:
-            return
-        before, self._loss = self._loss["badput"], None
-        self._failures = 0
-        charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
-        # Saves, input waits and evaluations in the window would have happened without the loss.
-        total = sum(charged[k] for k in LOSS_BADPUT)
-        self.summary.loss_badput.append({"total": round(total, 4), **charged})
-
-    def _account(self, r: dict) -> None:
-        """Charge a report of process 0 to the ledger (goodput.py); steps to the throughput."""
-        if r["kind"] == "step":
-            category = USEFUL if r["step"] > self._done_step() else "lost"  # before losses[step] is set
-            self.throughput.add(r)
-            self._segment_throughputs[-1].add(r)
-            begun = r["at"] - r["seconds"]
-            waited = min(r.get("input_seconds") or 0.0, r["seconds"])
-            copied = min(r.get("snapshot_seconds") or 0.0, r["seconds"] - waited)
-            if waited > 0:  # the step's lap holds its input wait: that part is input badput
-                self.ledger.add("input", begun, begun + waited)
-            if copied > 0:  # and the copy of a peer snapshot: checkpoint badput
-                self.ledger.add("checkpoint", begun + waited, begun + waited + copied)
-        else:
-            category = REPORT_CATEGORY.get(r["kind"])
-        if category is not None and "at" in r:
-            self.ledger.add(category, r["at"] - r["seconds"], r["at"])
-
-    def _progress(self, r: dict) -> None:
-        if r["step"] % 10 and r["step"] != self.job.steps and r["step"] != self._segment["first_step"]:
-            return
-        mesh = " x ".join(f"{k}={v}" for k, v in self._segment["mesh"].items())
-        self.print(
-            f"step  {r['step']:>5}/{self.job.steps}  loss {r['loss']:.4f}  "
-            f"{r['tokens_per_second']:>9,.0f} tok/s  MFU {r['mfu']:.2%}  mesh {mesh}  hosts {self._segment['hosts']}"
-        )
-
-    def _on_hosts_lost(self, e: HostsLostError) -> Phase:
+    def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None) -> State:
         detected = self.clock()
-        # A loss during a recovery is charged to the first: the ledger is read at the first only.
-        badput = self._loss["badput"] if self._loss else dict(self.ledger.seconds)
-        # From the last report to now the group was failing, and until the next plan it is torn down.
-        self.ledger.fill(self.wall(), "lost")
-        self.ledger.gap = "lost"
         alive = set(self.cluster.alive_hosts())
         dead_nodes = [n for n in e.node_ids if n not in alive]
-        injected = [self._injected.pop(n) for n in e.node_ids if n in self._injected]
-        self._failures += 1
-        self._loss = {"step": self._done_step(), "badput": badput, "restored": False}
-        self._event(
-            "host_lost",
-            step=self._done_step(),
-            at=self._now(),
-            seconds=(detected - injected[0]) if injected else 0.0,
-            hosts=e.indices,
-            nodes_dead=len(dead_nodes),
-            snapshot_every=self._snapshot_every,
-            detail=str(e),
-        )
-        self.print(f"lost  host(s) {e.indices} after step {self._done_step()} ({e})")
+        caused = self.callbacks.lost_at(e.node_ids)
+        failures = recovery.failures + 1 if recovery is not None else 1
+        snapshot_every = self.segment.snapshot_every if self.segment else 0
+        self._event(EventKind.HOST_LOST, seconds=(detected - caused) if caused is not None else 0.0, hosts=e.indices,
+                    nodes_dead=len(dead_nodes), snapshot_every=snapshot_every, detail=str(e))  # fmt: skip
         self._stop_group()
         decision = self.failure.on_failure(
             policies.Failure(
-                hosts_in_group=self._target,
+                hosts_in_group=target,
                 hosts_lost=len(dead_nodes),
                 processes_lost=len(e.indices) - len(dead_nodes),
                 hosts_alive=len(alive),
-                failures_in_a_row=self._failures - 1,
+                failures_in_a_row=failures - 1,
             )
         )
         if isinstance(decision, policies.Fail):
-            return self._fail(decision.reason)
-        self.print(f"      {type(decision).__name__.lower()} onto {decision.hosts} hosts: {decision.reason}")
-        self._target = decision.hosts
-        self._recovering_since = detected
-        return Phase.PLANNING
+            return Failed(decision.reason)
+        return Planning(decision.hosts, Recovery(self.step_reached, detected, failures), decision=decision)
 
-    def _inject_due_faults(self) -> None:
-        for fault in self.chaos.due(self._done_step()):
-            if fault.kind == "lose":
-                for host in fault.hosts_in(self._group.size):
-                    self._kill(host, str(fault))
-            elif fault.kind == "freeze":
-                host = fault.host_in(self._group.size)
-                node = self._group.node_ids[host]
-                self.print(f"chaos {fault}: stopping host {host}'s process (node {node[:8]}, SIGSTOP)")
-                self._injected[node] = self.clock()
-                self.cluster.freeze_process(self._group.places[host]["pid"])
-            elif fault.kind == "add":
-                self.print(f"chaos {fault}: adding a host")
-                self.cluster.add_host()
+    # -- Stopping ----------------------------------------------------------------------------
+    def _begin_stop(self, state: Running) -> State:
+        self.group.request_stop(now=True)
+        return Stopping(state.segment, self._stop_request, self.clock() + self.config.stop_grace_s)
 
-    def _kill(self, host: int, why: str) -> None:
-        node = self._group.node_ids[host]
-        self.print(f"chaos {why}: killing host {host} (node {node[:8]})")
-        self._injected[node] = self.clock()
+    def _stopping(self, state: Stopping) -> State:
         try:
-            self.cluster.kill_host(node)
-        except KeyError:  # gone already: a loss not yet seen
-            self.print(f"      host {host} (node {node[:8]}) is gone already")
-
-    def _maybe_grow(self) -> None:
-        if self._stopping or self.clock() - self._last_host_check < self.config.host_check_interval_s:
-            return
-        self._last_host_check = self.clock()
-        alive = self.cluster.alive_hosts()
-        if self.standby is not None and self._segment["first_step"] is not None:
-            self.standby.refill(alive, self._host_env())  # a host that joined gets its standby actor
-        available = len(alive)
-        decision = self.scaling.on_progress(self._target, available)
-        if isinstance(decision, policies.Resize):
-            self._stopping = True
-            self._target = decision.hosts
-            self._event("host_added", step=self._done_step(), at=self._now(), hosts=decision.hosts)
-            self.print(f"grow  {decision.reason}: resizing to {decision.hosts} hosts at the next checkpoint")
-            self._group.request_stop()
-
-    def _fail(self, reason: str) -> Phase:
-        self.summary.reason = reason
-        self.print(f"fail  {reason}")
-        return Phase.FAILED
+            statuses = self.group.poll()
+        except (HostsLostError, SegmentFailedError) as e:
+            self._stop_group()
+            return Stopped(state.reason, StopOutcome.HOSTS_FAILED, str(e).splitlines()[0])
+        self._take(enumerate(statuses))
+        if all(s.done for s in statuses):
+            return self._segment_ended(state)
+        if self.clock() > state.deadline:
+            self._stop_group()
+            grace = f"{self.config.stop_grace_s:.0f} s"
+            return Stopped(f"{state.reason} (hosts did not finish within {grace}; the newest commit stands)",
+                           StopOutcome.GRACE_OVER)  # fmt: skip
+        self.sleep(self.config.poll_interval_s)
+        return state
 
     def _stop_group(self) -> None:
-        if self._group is not None:
-            self._group.shutdown()
-            self._group = None
-
-
-def _phase_order(fault: Fault) -> int:
-    return PHASES.index(fault.phase) if fault.phase in PHASES else len(PHASES)
-
-
-def program_fingerprint(ref: str, abstract_state, abstract_batch) -> str:
-    """Identifies a program's shapes for the plan cache: same shapes, same plan."""
-    import jax
-
-    leaves = [
-        (jax.tree_util.keystr(p), list(x.shape), str(x.dtype))
-        for tree in (abstract_state, abstract_batch)
-        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    ]
-    return hashlib.sha256(json.dumps([ref, leaves]).encode()).hexdigest()[:16]
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

@@ -49,7 +49,7 @@ class CheckpointSpec:
     every: int
     keep: int = 3
     keep_every: int = 0  # 0: none kept beyond the newest `keep`
-    # Peer snapshots in host memory (orchestrator/snapshots.py): the share of step time copying the
+    # Peer snapshots in host memory (orchestrator/worker/snapshots.py): the share of step time copying the
     # state to the host may take; the interval in steps follows from it. 0 turns them off.
     memory_budget: float = 0.05
 
@@ -72,6 +72,12 @@ class JobSpec:
         from .program import JobSettings
 
         return JobSettings(self.steps, self.global_batch, self.seed, self.options)
+
+    @property
+    def search_level(self) -> str | None:
+        """The partitioner's search level ("fast", "thorough"), or None where the job plans by
+        shapes alone (`planner = "shapes"`)."""
+        return None if self.planner == "shapes" else self.planner
 
     def with_checkpoint_dir(self, path: str) -> JobSpec:
         return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))

@@ -1,11 +1,11 @@
 """The program contract: a user's single-device training program, with no sharding code.
 
-    program = remesh.Program(
+    program = orchestrator.Program(
         init=lambda key: state,                 # PRNG key -> train state (any pytree of arrays)
         step=train_step,                        # (state, batch) -> (state, {"loss": scalar, ...})
         data=TokenFiles(paths, seq_len).dataset(),  # data[i]: example i of the job's global order
         tokens_per_example=seq_len,             # for tokens/s
-        evaluation=remesh.Evaluation(eval_step, held_out, every=100),  # optional
+        evaluation=orchestrator.Evaluation(eval_step, held_out, every=100),  # optional
     )
 
 `data` is any random-access dataset (a Grain `MapDataset`, or anything with `__getitem__`) whose
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -90,6 +92,14 @@ class JobSettings:
     global_batch: int
     seed: int = 0
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def importable_from_here() -> None:
+    """Programs (and plan targets) are named relative to the directory remesh runs in, as
+    `python -m` finds modules: that directory goes first on `sys.path`, once."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def load_program(ref: str, settings: JobSettings | None = None) -> Program:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+
+from ..control.state import Phase, StopOutcome
+from ..protocol import ControllerCallback, EventKind, ReportKind, SnapshotUnusable, Step
 
 
 class Console:
@@ -52,3 +56,105 @@ class Console:
             os.close(fd)
         self._terminal.close()
         self._saved = self._terminal = None
+
+
+class ConsoleCallback(ControllerCallback):
+    """What a person running a job reads: a line for each plan, every tenth step, each loss,
+    recovery, resize, evaluation, warning and stop. `printer`: where lines go (a `Console`'s
+    `print`, say)."""
+
+    def __init__(self, printer: Callable[[str], None] | None = None):
+        self.print = printer or (lambda line: print(line, flush=True))
+
+    def on_state(self, controller, previous, state) -> None:
+        line = {
+            Phase.STARTING: self._plan,
+            Phase.PLANNING: self._decision,
+            Phase.STOPPING: self._stopping,
+            Phase.STOPPED: self._stopped,
+            Phase.FAILED: lambda c, s: f"fail  {s.reason}",
+        }.get(state.phase, lambda c, s: None)(controller, state)
+        if line:
+            self.print(line)
+
+    def _plan(self, controller, state) -> str:
+        plan, flag = state.plan, " (planned ahead)" if state.ahead else " (cached)" if state.cached else ""
+        lines = [f"plan  {plan.describe()} on {state.hosts} hosts{flag}", *(f"      note: {n}" for n in plan.notes)]
+        if state.hosts < state.target:
+            lines.append(f"      note: {state.target - state.hosts} of {state.target} hosts left idle: "
+                         f"the plan uses {plan.devices_used} devices")  # fmt: skip
+        return "\n".join(lines)
+
+    def _decision(self, controller, state) -> str | None:
+        d = state.decision
+        return f"      {type(d).__name__.lower()} onto {d.hosts} hosts: {d.reason}" if d is not None else None
+
+    def _stopping(self, controller, state) -> str:
+        grace = controller.config.stop_grace_s
+        return f"stop  {state.reason}: saving the step reached, then stopping (at most {grace:.0f} s)"
+
+    def _stopped(self, controller, state) -> str:
+        return {
+            StopOutcome.AT_ONCE: f"stop  {state.reason}: stopped at once after step {controller.step_reached}",
+            StopOutcome.COMMITTED: f"      step {controller.step_reached} committed; hosts stopped",
+            StopOutcome.HOSTS_FAILED: f"      hosts failed while stopping ({state.detail}); the newest commit stands",
+            StopOutcome.GRACE_OVER: f"      hosts did not finish within {controller.config.stop_grace_s:.0f} s; "
+            "stopping them",
+        }[state.outcome]
+
+    def on_report(self, controller, host, report, speaker) -> None:
+        if not speaker:
+            return
+        if isinstance(report, Step):
+            self._progress(controller, report)
+        elif isinstance(report, SnapshotUnusable):
+            self.print(f"      the snapshot in host memory is unusable ({report.error[:200]}); restoring from disk")
+
+    def _progress(self, controller, r: Step) -> None:
+        segment, steps = controller.segment, controller.job.steps
+        first = segment.first_step if segment.first_step is not None else r.step
+        if r.step % 10 and r.step != steps and r.step != first:
+            return
+        from partitioner import mesh_text
+
+        mesh = mesh_text(segment.mesh, every=True)
+        self.print(
+            f"step  {r.step:>5}/{steps}  loss {r.loss:.4f}  {r.tokens_per_second:>9,.0f} tok/s  "
+            f"MFU {r.mfu:.2%}  mesh {mesh}  hosts {segment.hosts}"
+        )
+
+    def on_event(self, controller, event) -> None:
+        f, step = event.fields, event.step
+        line = {
+            EventKind.HOST_LOST: lambda: f"lost  host(s) {f['hosts']} after step {step} ({f['detail']})",
+            EventKind.HOST_ADDED: lambda: (
+                f"grow  {controller.state.resize.reason}: resizing to {f['hosts']} hosts at the next checkpoint"
+            ),
+            ReportKind.RESTORE: lambda: (
+                f"      restored step {step} from "
+                f"{'host memory' if f.get('source') == 'memory' else 'disk'} in {event.seconds:.2f} s"
+                + (f"; {f['recomputed']} steps to compute again" if "recomputed" in f else "")
+            ),
+            ReportKind.EVAL: lambda: (
+                f"eval  {step:>5}/{controller.job.steps}  loss {f['loss']:.4f}  ({event.seconds:.2f} s)"
+            ),
+            ReportKind.COMPILE_AHEAD: lambda: (
+                f"      compiling ahead for {f.get('devices', '?')} devices "
+                + (f"failed: {f['error'][:200]}" if "error" in f else f"done in {event.seconds:.1f} s")
+            ),
+            ReportKind.CHECKPOINT_FAILED: lambda: (
+                f"warn  checkpoint step {step} was not saved ({f['error'][:200]}); "
+                f"the newest commit stays step {f['newest']}, and training goes on"
+            ),
+            ReportKind.CHECKPOINT_CORRUPT: lambda: (
+                f"      checkpoint step {step} is damaged, moved aside; trying the one before: {f['error'][:200]}"
+            ),
+        }.get(event.kind)
+        if line:
+            self.print(line())
+
+    def on_recovered(self, controller, seconds: float) -> None:
+        self.print(f"      recovered in {seconds:.1f} s")
+
+    def on_warning(self, controller, text: str) -> None:
+        self.print(f"warn  {text}")

@@ -17,6 +17,9 @@ import collections
 import math
 import statistics
 
+from ..control.state import Phase
+from ..protocol import Compile, ControllerCallback, EventKind, Step
+
 USEFUL = "useful"
 BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "input", "eval", "lost")
 BADPUT_MEANING = {
@@ -30,20 +33,6 @@ BADPUT_MEANING = {
     "input": "time the training loop waited for its next batch (reading and placing it) that the prefetch did not hide",
     "eval": "the program's evaluation on held-out data (Program.evaluation), every so many steps",
     "lost": "steps recomputed after a restore, and failure detection and tear-down",
-}
-
-# What each host report counts as; steps are decided by the high-water mark.
-REPORT_CATEGORY = {
-    "group_start": "startup",
-    "load": "startup",
-    "init": "startup",
-    "restore": "restore",
-    "checkpoint_corrupt": "restore",
-    "snapshot_unusable": "restore",
-    "compile": "compile",
-    "checkpoint": "checkpoint",
-    "checkpoint_flush": "checkpoint",
-    "eval": "eval",
 }
 
 
@@ -64,7 +53,8 @@ class Ledger:
     def add(self, category: str, start: float, end: float) -> None:
         """An interval of work. Intervals arrive in time order; one that overlaps what is already
         charged (clocks of different hosts disagree by a little) is clipped."""
-        assert category in self.seconds, category
+        if category not in self.seconds:
+            raise ValueError(f"unknown goodput category {category!r}; expected {USEFUL!r} or one of {BADPUT}")
         self.fill(start)
         self.fill(end, category)
 
@@ -154,8 +144,8 @@ class Throughput:
         self._medians = {f: RunningMedian() for f in self.FIELDS}
         self._recent: collections.deque = collections.deque(maxlen=RECENT)
 
-    def add(self, report: dict) -> None:
-        values = (report["seconds"], report["tokens_per_second"], report["mfu"])
+    def add(self, report: Step) -> None:
+        values = (report.seconds, report.tokens_per_second, report.mfu)
         for f, x in zip(self.FIELDS, values):
             self._medians[f].add(x)
         self._recent.append(values)
@@ -179,3 +169,81 @@ class Throughput:
             **{f: med(f) for f in self.FIELDS},
             "model_flops_per_step": self.model_flops_per_step,
         }
+
+
+HOST_LOSS_BADPUT = ("lost", "startup", "planning", "compile", "restore")  # what a host loss costs
+
+
+class GoodputCallback(ControllerCallback):
+    """Charges the job's wall time to the ledger: each report of the host that speaks for the group
+    by its category (`protocol.Report.CATEGORY`), each step as useful or lost, planning as the
+    controller's. Keeps the step throughput, per segment too, and what each host loss cost."""
+
+    def __init__(self):
+        self.ledger: Ledger | None = None
+        self.throughput = Throughput()
+        self.segments: list[Throughput] = []  # one per segment
+        self.loss_badput: list[dict] = []  # per host loss: the badput from the loss to the first step past it
+        self._at_host_loss: dict | None = None  # the ledger when the loss being recovered from was detected
+
+    def on_attach(self, controller) -> None:
+        self.ledger = Ledger(controller.started_wall)
+
+    def on_state(self, controller, previous, state) -> None:
+        if state.phase is Phase.STARTING:
+            self.ledger.add("planning", *state.planning_wall)
+            self.ledger.gap = "startup"  # until the new group's first report
+        elif state.phase is Phase.RUNNING and previous.phase is Phase.STARTING:
+            self.segments.append(Throughput())
+
+    def on_event(self, controller, event) -> None:
+        if event.kind == EventKind.HOST_LOST:
+            if self._at_host_loss is None:  # a loss during a recovery is charged to the first
+                self._at_host_loss = dict(self.ledger.seconds)
+            # From the last report to now the group was failing, and until the next plan it is torn down.
+            self.ledger.fill(controller.wall(), "lost")
+            self.ledger.gap = "lost"
+
+    def on_report(self, controller, host, report, speaker) -> None:
+        if not speaker:
+            return
+        if isinstance(report, Step):
+            self._step(controller, report)
+            return
+        if isinstance(report, Compile):
+            self.throughput.model_flops_per_step = report.model_flops
+        if report.CATEGORY is not None and report.at is not None:
+            self.ledger.add(report.CATEGORY, report.at - report.seconds, report.at)
+
+    def _step(self, controller, r: Step) -> None:
+        self.throughput.add(r)
+        self.segments[-1].add(r)
+        begun = r.at - r.seconds
+        waited = min(r.input_seconds or 0.0, r.seconds)
+        copied = min(r.snapshot_seconds or 0.0, r.seconds - waited)
+        if waited > 0:  # the step's lap holds its input wait: that part is input badput
+            self.ledger.add("input", begun, begun + waited)
+        if copied > 0:  # and the copy of a peer snapshot: checkpoint badput
+            self.ledger.add("checkpoint", begun + waited, begun + waited + copied)
+        # A step is useful the first time it is done; again after a restore, it is progress lost.
+        self.ledger.add(USEFUL if r.step > controller.step_reached else "lost", begun, r.at)
+        recovery = getattr(controller.state, "recovery", None)
+        if recovery is not None and r.step > recovery.step and self._at_host_loss is not None:
+            self._charge_host_loss()
+
+    def _charge_host_loss(self) -> None:
+        """What the ledger charged since the loss is its badput, by category; its total counts
+        detection and tear-down, group start, planning, compile, restore and steps computed again
+        (`HOST_LOSS_BADPUT`). Saves, input waits and evaluations in the window would have happened anyway."""
+        before, self._at_host_loss = self._at_host_loss, None
+        charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
+        self.loss_badput.append({"total": round(sum(charged[k] for k in HOST_LOSS_BADPUT), 4), **charged})
+
+    def breakdown(self, controller) -> dict:
+        return self.ledger.breakdown(controller.wall())
+
+    def segment_medians(self, segments) -> None:
+        """Each segment's median step seconds, tokens per second and MFU."""
+        for segment, throughput in zip(segments, self.segments):
+            s = throughput.summary()
+            segment.medians = {k: s[k] for k in ("step_seconds", "tokens_per_second", "mfu")}

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 
-# What a step row keeps of a host's step report.
-STEP_FIELDS = ("step", "at", "loss", "seconds", "tokens_per_second", "mfu", "input_seconds", "wait_seconds", "metrics")
+from ..control.state import Phase
+from ..protocol import STEP_RECORD, ControllerCallback, Restore, Step, step_record
 
 
 class Recorder:
     def started(self) -> None: ...
     def event(self, event: dict) -> None: ...
-    def step(self, host: int, segment: int, report: dict, speaker: bool) -> None: ...
+    def step(self, host: int, segment: int, record: dict, speaker: bool) -> None: ...
     def resumed(self, step: int, reported: dict) -> None: ...
     def status(self, **fields) -> None: ...
     def due(self) -> bool:
@@ -51,16 +51,17 @@ class FleetRecorder(Recorder):
         if event["kind"] == "host_lost" and self.metrics:
             self.metrics.inc("remesh_host_losses_total", job=self.job.name)
 
-    def step(self, host: int, segment: int, report: dict, speaker: bool) -> None:
-        """One host's step report; `speaker` when this host speaks for the group (the loss gauge)."""
-        step = report["step"]
+    def step(self, host: int, segment: int, record: dict, speaker: bool) -> None:
+        """One host's step (`protocol.step_record`); `speaker` when this host speaks for the group
+        (the loss gauge)."""
+        step = record["step"]
         if step % self._stride == 0 or self._firsts.setdefault(segment, step) == step:
-            self._steps.append({"host": host, "segment": segment, **{k: report.get(k) for k in STEP_FIELDS}})
+            self._steps.append({"host": host, "segment": segment, **{k: record.get(k) for k in STEP_RECORD}})
             self._kept.add(step)
             if len(self._kept) > self.step_rows:
                 self._thin()
         if speaker and self.metrics:
-            self.metrics.set("remesh_loss", report["loss"], job=self.job.name)
+            self.metrics.set("remesh_loss", record["loss"], job=self.job.name)
 
     def resumed(self, step: int, reported: dict) -> None:
         """A resume from the checkpoint of `step`. A controller killed between two flushes of its
@@ -73,7 +74,7 @@ class FleetRecorder(Recorder):
             return
         last, run = max((self.store.last_step(r), r) for r in earlier)
         rows = [
-            {"host": 0, "segment": reported["segment"], **{k: r.get(k) for k in STEP_FIELDS}}
+            {"host": 0, "segment": reported["segment"], **{k: r.get(k) for k in STEP_RECORD}}
             for r in reported["steps"]
             if last < r["step"] <= step
         ]
@@ -114,3 +115,70 @@ class FleetRecorder(Recorder):
     def close(self) -> None:
         self.flush(force=True)
         self.store.close()
+
+
+class RecorderCallback(ControllerCallback):
+    """Feeds a `Recorder` (the fleet store and Ray's job-wide metrics): every host's steps, the
+    run summary's events, and the job's status, at each new segment, about once a second and at
+    the end. Called after `goodput` and `summary`, whose figures it records."""
+
+    def __init__(self, recorder: Recorder, goodput, summary):
+        self.recorder, self.goodput, self.summary = recorder, goodput, summary
+
+    def on_start(self, controller) -> None:
+        self.recorder.started()
+
+    def on_state(self, controller, previous, state) -> None:
+        if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING:
+            self._status(controller)
+
+    def on_report(self, controller, host, report, speaker) -> None:
+        if isinstance(report, Step):
+            self.recorder.step(host, len(controller.segments), step_record(report), speaker=speaker)
+        elif isinstance(report, Restore) and speaker and report.reported:
+            self._unreported(controller.step_reached, report)
+
+    def _unreported(self, done: int, report: Restore) -> None:
+        """Steps up to the restored one whose reports never came: a group that went before its
+        last steps were polled, or, on a resume, a controller killed before it stored them. The
+        store counts segments from 1, specs from 0."""
+        reported = report.reported
+        if done == 0:  # a resume: they belong to an earlier run
+            self.recorder.resumed(report.step, {**reported, "segment": reported["segment"] + 1})
+            return
+        for r in reported["steps"]:
+            if done < r["step"] <= report.step:
+                self.recorder.step(0, reported["segment"] + 1, r, speaker=False)
+
+    def on_event(self, controller, event) -> None:
+        e = event.to_dict()
+        self.recorder.event({**e, "at": controller.started_wall + e["at"]})  # the store keeps wall-clock times
+
+    def on_poll(self, controller) -> None:
+        if self.recorder.due():  # medians over every step: not at every poll
+            self._status(controller)
+            self.recorder.flush()
+
+    def on_end(self, controller) -> None:
+        self._status(controller)
+        self.recorder.close()
+
+    def _status(self, controller) -> None:
+        segment, summary = controller.segment, self.summary.summary
+        goodput = summary.goodput or self.goodput.breakdown(controller)
+        recent = self.goodput.throughput.recent(20)
+        self.goodput.segment_medians(summary.segments)
+        self.recorder.status(
+            state=controller.phase.value,
+            steps_completed=controller.step_reached,
+            mesh=segment.mesh if segment else {},
+            hosts=segment.hosts if segment else 0,
+            devices=segment.devices if segment else 0,
+            reason=summary.reason,
+            tokens_per_second=recent["tokens_per_second"],
+            mfu=recent["mfu"],
+            goodput_ratio=goodput["goodput_ratio"],
+            goodput=goodput,
+            throughput=summary.throughput or self.goodput.throughput.summary(),
+            segments=[s.to_dict() for s in summary.segments],
+        )

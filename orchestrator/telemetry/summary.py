@@ -1,4 +1,4 @@
-"""The run summary (the contract in DESIGN.md), built up by the controller and written as JSON."""
+"""The run summary (the contract: `remesh run --summary FILE`), built by a controller callback and written as JSON."""
 
 from __future__ import annotations
 
@@ -8,19 +8,9 @@ import json
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
-EVENT_KINDS = (
-    "host_lost",
-    "host_added",
-    "replan",
-    "restore",
-    "checkpoint",
-    "compile",
-    "group_start",
-    "checkpoint_corrupt",
-    "checkpoint_failed",
-    "eval",
-    "compile_ahead",
-)
+from ..control.state import Phase
+from ..protocol import EVENT_KINDS, ControllerCallback, Eval, EventKind, Restore, Step
+from .goodput import GoodputCallback
 
 
 class StepSeries(MutableMapping):
@@ -68,7 +58,7 @@ class RunSummary:
     # The highest step known done: reported by a host, or restored from a checkpoint (a resumed
     # run starts from there). An int kept up to date, so asking for it costs nothing per report.
     steps_completed: int = 0
-    segments: list[dict] = dataclasses.field(default_factory=list)
+    segments: list = dataclasses.field(default_factory=list)  # control.state.Segment
     events: list[dict] = dataclasses.field(default_factory=list)
     recovery_seconds: list[float] = dataclasses.field(default_factory=list)
     recomputed_steps: list[int] = dataclasses.field(default_factory=list)  # per host loss: steps done again
@@ -83,7 +73,7 @@ class RunSummary:
     def event(self, kind: str, *, step: int | None, at: float, seconds: float = 0.0, **extra: Any) -> dict:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {kind!r}; expected one of {EVENT_KINDS}")
-        e = {"kind": kind, "step": step, "at": round(at, 4), "seconds": round(seconds, 4), **extra}
+        e = {"kind": str(kind), "step": step, "at": round(at, 4), "seconds": round(seconds, 4), **extra}
         self.events.append(e)
         return e
 
@@ -112,7 +102,7 @@ class RunSummary:
             "steps_completed": self.steps_completed,
             "losses": [self.losses.get(s) for s in steps],
             "metrics": {name: [values.get(s) for s in steps] for name, values in self.metrics.items()},
-            "segments": self.segments,
+            "segments": [s.to_dict() for s in self.segments],
             "events": self.events,
             "recovery_seconds": self.recovery_seconds,
             "recomputed_steps": self.recomputed_steps,
@@ -125,3 +115,62 @@ class RunSummary:
     def write(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
+
+
+class SummaryCallback(ControllerCallback):
+    """Builds the run summary from what the speaking host reports and the controller's events;
+    the goodput and throughput figures come from `goodput`, which must be called before it."""
+
+    def __init__(self, goodput: GoodputCallback):
+        self.goodput = goodput
+        self.summary: RunSummary | None = None
+
+    def on_attach(self, controller) -> None:
+        self.summary = RunSummary(job=controller.job.name, steps=controller.job.steps)
+        self.summary.loss_badput = self.goodput.loss_badput
+
+    def on_state(self, controller, previous, state) -> None:
+        if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING:
+            self.summary.segments.append(state.segment)
+        elif state.phase is Phase.STOPPING or state.phase.is_terminal:
+            self.summary.reason = state.reason or self.summary.reason  # a job that finishes while stopping keeps why
+            self.summary.reached(controller.step_reached)
+
+    def on_report(self, controller, host, report, speaker) -> None:
+        if not speaker:
+            return
+        if isinstance(report, Step):
+            self.summary.record_step(report.step, report.loss, report.metrics)
+        elif isinstance(report, Eval):
+            self.summary.record_eval(report.step, report.loss, report.metrics)
+        elif isinstance(report, Restore):
+            self._unreported(controller.step_reached, report)
+            self.summary.reached(report.step)  # a resumed run starts from there
+
+    def _unreported(self, done: int, report: Restore) -> None:
+        """Steps up to the restored one whose reports never came (a group that went before its
+        last steps were polled): the restored step's metadata kept them. On a resume (no step of
+        this run yet) they belong to an earlier run."""
+        if done == 0 or not report.reported:
+            return
+        for r in report.reported["steps"]:
+            if done < r["step"] <= report.step:
+                self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
+
+    def on_event(self, controller, event) -> None:
+        e = self.summary.event(event.kind, step=event.step, at=event.at, seconds=event.seconds, **event.fields)
+        if event.kind == Restore.KIND and "recomputed" in e:
+            self.summary.recomputed_steps.append(e["recomputed"])
+
+    def on_recovered(self, controller, seconds: float) -> None:
+        self.summary.recovery_seconds.append(round(seconds, 3))
+
+    def on_end(self, controller) -> None:
+        s = self.summary
+        s.state, s.wall_seconds = controller.phase.value, controller.now()
+        s.goodput = self.goodput.breakdown(controller)
+        s.throughput = self.goodput.throughput.summary()
+        self.goodput.segment_medians(s.segments)
+
+
+__all__ = ["EVENT_KINDS", "EventKind", "RunSummary", "StepSeries", "SummaryCallback"]

@@ -1,5 +1,9 @@
 """Fault injection for tests, the demo and the fault storm: `--chaos lose@40,add@80,lose-in-save@50:0`.
 
+Two parts, and nothing else of remesh knows of either: `ChaosCallback` is a controller callback
+that kills, stops and adds hosts as faults fall due and attaches a `HostFaults` test hook to the
+hosts that must hang or straggle; `HostFaults` is that hook in the worker (worker/hooks.py).
+
 lose@S[:H[+H]]        after step S is reported, kill host H's node (default: the last host);
                       `lose@S:0+2` kills hosts 0 and 2 at once
 lose-in-save@S[:H]    host H hangs instead of saving checkpoint S; its node is killed mid-save
@@ -19,6 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
+import time
+from collections.abc import Callable
+
+from ..control.state import Phase
+from ..protocol import ControllerCallback, Hang, HookRef
+from ..worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze", "slow")
@@ -112,3 +123,97 @@ class ChaosInjector:
 
     def fired(self, fault: Fault) -> None:
         self._pending = [f for f in self._pending if f != fault]
+
+
+def _phase_order(fault: Fault) -> int:
+    return PHASES.index(fault.phase) if fault.phase in PHASES else len(PHASES)
+
+
+class ChaosCallback(ControllerCallback):
+    """Carries out faults as the job reaches them. `printer`: where it says what it does."""
+
+    def __init__(self, faults: tuple[Fault, ...], printer: Callable[[str], None] | None = None):
+        self.injector = ChaosInjector(faults)
+        self.print = printer or (lambda line: print(line, flush=True))
+        self._caused: dict[str, float] = {}  # node id -> when a fault killed or stopped it (controller clock)
+
+    def test_hooks(self, controller, hosts: int) -> dict[int, HookRef]:
+        """A `HostFaults` hook for each host of a new group that must hang in a phase or straggle.
+        A host carrying several phase faults hangs in the first of those phases it reaches."""
+        hangs = self.injector.hangs(controller.step_reached)
+        save = {f.host_in(hosts): f.step for f in hangs if f.phase == "save"}
+        phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
+        slow = {(h if h is not None else hosts - 1): s for h, s in self.injector.slow_hosts().items()}
+        hooks = {}
+        for i in sorted({*save, *phase, *slow}):
+            args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
+            hooks[i] = HookRef(f"{__name__}:HostFaults", args)
+        return hooks
+
+    def on_state(self, controller, previous, state) -> None:
+        if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING and state.recovery is not None:
+            for fault in self.injector.recovery_adds(state.recovery.step):  # a host joins mid-recovery
+                self.print(f"chaos {fault}: adding a host while the new group starts")
+                controller.cluster.add_host()
+
+    def on_report(self, controller, host, report, speaker) -> None:
+        if isinstance(report, Hang):  # whichever host hangs is the one to kill
+            self._kill(controller, host, str(self.injector.hung(report.phase, report.step)))
+
+    def on_poll(self, controller) -> None:
+        group = controller.group
+        for fault in self.injector.due(controller.step_reached):
+            if fault.kind == "lose":
+                for host in fault.hosts_in(group.size):
+                    self._kill(controller, host, str(fault))
+            elif fault.kind == "freeze":
+                host = fault.host_in(group.size)
+                node = group.node_ids[host]
+                self.print(f"chaos {fault}: stopping host {host}'s process (node {node[:8]}, SIGSTOP)")
+                self._caused[node] = controller.clock()
+                controller.cluster.freeze_process(group.places[host]["pid"])
+            elif fault.kind == "add":
+                self.print(f"chaos {fault}: adding a host")
+                controller.cluster.add_host()
+
+    def _kill(self, controller, host: int, why: str) -> None:
+        node = controller.group.node_ids[host]
+        self.print(f"chaos {why}: killing host {host} (node {node[:8]})")
+        self._caused[node] = controller.clock()
+        try:
+            controller.cluster.kill_host(node)
+        except KeyError:  # gone already: a loss not yet seen
+            self.print(f"      host {host} (node {node[:8]}) is gone already")
+
+    def lost_at(self, node_ids) -> float | None:
+        caused = [self._caused.pop(n) for n in node_ids if n in self._caused]
+        return caused[0] if caused else None
+
+
+class HostFaults(FaultHook):
+    """The worker's side: hang as a phase begins or instead of a save (until the controller kills
+    the host), or read input `SLOW_INPUT_SECONDS` slower from a step on (a straggler)."""
+
+    def __init__(self, report, hang_in: str | None = None, hang_before_save: int | None = None,
+                 slow_input_from: int | None = None):  # fmt: skip
+        self.report, self.hang_in = report, hang_in
+        self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
+
+    def entering(self, phase: str) -> None:
+        if phase == self.hang_in:
+            self._hang(phase)
+
+    def saving(self, step: int, store) -> None:
+        if step == self.hang_before_save:
+            # The previous checkpoint is complete, this one is begun by the other hosts and never
+            # finished by this one.
+            store.wait()
+            self._hang("save", step)
+
+    def input_read(self, step: int) -> None:
+        if self.slow_input_from is not None and step >= self.slow_input_from:
+            time.sleep(SLOW_INPUT_SECONDS)
+
+    def _hang(self, phase: str, step: int | None = None) -> None:
+        self.report(Hang(phase=phase, step=step))
+        threading.Event().wait()

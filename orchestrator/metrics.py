@@ -30,8 +30,8 @@ METRICS = {
     "remesh_devices": ("gauge", "Devices the current segment's plan uses", ("job",)),
     "remesh_host_losses_total": ("counter", "Hosts lost during the job", ("job",)),
 }
-# Of the per-host step metrics, what each is set from in a step report.
-STEP_FIELDS = {
+# Of the per-host step metrics, the field of a step report (protocol.Step) each is set from.
+STEP_GAUGES = {
     "remesh_step_seconds": "seconds",
     "remesh_tokens_per_second": "tokens_per_second",
     "remesh_mfu": "mfu",
@@ -62,6 +62,7 @@ class RayMetrics:
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         self._get(name).inc(float(value), tags={k: str(v) for k, v in tags.items()})
 
-    def step(self, job: str, host: int, report: dict) -> None:
-        for name, field in STEP_FIELDS.items():
-            self.set(name, report[field], job=job, host=host)
+    def step(self, job: str, host: int, report) -> None:
+        """A host's `protocol.Step` report."""
+        for name, field in STEP_GAUGES.items():
+            self.set(name, getattr(report, field), job=job, host=host)

@@ -1,0 +1,81 @@
+"""Controller -> observers: the run summary's events, and the callbacks that watch a job."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from .reports import REPORTS, Report
+from .segment import HookRef
+
+
+class EventKind(enum.StrEnum):
+    """The run summary's events that the controller makes itself; reports with `EVENT` are the others."""
+
+    HOST_LOST = "host_lost"
+    HOST_ADDED = "host_added"
+    REPLAN = "replan"
+
+
+EVENT_KINDS = (*EventKind, *(kind for kind, cls in REPORTS.items() if cls.EVENT))
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One entry of the run summary's events: `at` in seconds since the job began."""
+
+    kind: str
+    step: int | None
+    at: float
+    seconds: float = 0.0
+    fields: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": str(self.kind),
+            "step": self.step,
+            "at": round(self.at, 4),
+            "seconds": round(self.seconds, 4),
+            **self.fields,
+        }
+
+
+class ControllerCallback:
+    def on_attach(self, controller) -> None:
+        """The controller is made (its clocks and job are there to read)."""
+
+    def on_start(self, controller) -> None:
+        """`run()` begins."""
+
+    def on_state(self, controller, previous, state) -> None:
+        """A transition from `previous` to `state` (state.py) has been made."""
+
+    def on_report(self, controller, host: int, report: Report, speaker: bool) -> None:
+        """A host's report, before the controller acts on it (`controller.step_reached` is still the
+        step before a step report's). `speaker`: the host that speaks for the group (SPMD: every
+        host reports the same steps)."""
+
+    def on_event(self, controller, event: Event) -> None:
+        """An event of the run summary."""
+
+    def on_recovered(self, controller, seconds: float) -> None:
+        """The first step after a host loss is done, `seconds` after the loss was detected."""
+
+    def on_warning(self, controller, text: str) -> None:
+        """Something went wrong that the job survives (a plan made ahead failed, hosts could not be placed)."""
+
+    def on_poll(self, controller) -> None:
+        """A training group was polled and is still training."""
+
+    def on_end(self, controller) -> None:
+        """`run()` ends, in any way."""
+
+    # -- where fault injection reaches in (testing/chaos.py); nothing elsewhere uses these ---------
+    def test_hooks(self, controller, hosts: int) -> dict[int, HookRef]:
+        """Hooks to attach to hosts of a group about to start: host index -> hook."""
+        return {}
+
+    def lost_at(self, node_ids: Sequence[str]) -> float | None:
+        """When the loss of these nodes was caused (controller clock), where a callback caused it."""
+        return None

@@ -1,0 +1,61 @@
+"""Every process of a group stops after the same step and takes peer snapshots after the same steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..protocol import Stop
+
+
+class StopAgreement:
+    """A request reaches each host at a different moment, so it is acted on only at steps that all
+    processes agree to check, by one small broadcast from process 0: every checkpoint boundary, and
+    in between about every `check_seconds` of steps (process 0 proposes the interval with the
+    flag), so the collective costs a bounded share of step time however short the steps are. The
+    same broadcast carries process 0's snapshot interval (`propose_snapshots`, measured by its
+    `SnapshotPace`): a snapshot is complete only if every process takes it at the same step.
+
+    `broadcast`: process 0's int32 array to every process (`multihost_utils.broadcast_one_to_all`
+    by default; a test passes its own)."""
+
+    def __init__(
+        self,
+        should_stop: Callable[[], Stop],
+        processes: int,
+        check_seconds: float = 0.5,
+        propose_snapshots: Callable[[], int] = lambda: 0,
+        broadcast: Callable | None = None,
+    ):
+        self._should_stop = should_stop
+        self._processes = processes
+        self._check_seconds = check_seconds
+        self._propose_snapshots = propose_snapshots
+        self._broadcast = broadcast
+        self.snapshot_every = 0  # agreed: snapshot after steps divisible by this (0: none yet)
+        # The next step to check at. Not a segment's first step: the broadcast's own first run
+        # compiles a small program, which would delay the step a recovery waits for.
+        self._next: int | None = None
+
+    def agree(self, step: int, boundary: bool, step_seconds: float) -> Stop:
+        if self._processes == 1:
+            self.snapshot_every = self._propose_snapshots()
+            return self._should_stop()
+        if self._next is None:
+            self._next = step + 1
+        if not (boundary or step >= self._next):
+            return Stop.RUN
+        import numpy as np
+
+        interval = max(1, int(self._check_seconds / max(step_seconds, 1e-6)))
+        proposal = np.array([int(self._should_stop()), interval, self._propose_snapshots()], np.int32)
+        agreed = self._broadcast_one_to_all(proposal)
+        self._next = step + int(agreed[1])
+        self.snapshot_every = int(agreed[2])
+        return Stop(int(agreed[0]))
+
+    def _broadcast_one_to_all(self, proposal):
+        if self._broadcast is not None:
+            return self._broadcast(proposal)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.broadcast_one_to_all(proposal)

@@ -1,0 +1,67 @@
+"""What the training loop calls after each step, and where tests inject faults.
+
+The loop (segment.py) only reads batches, dispatches steps and reads their metrics back; all
+else is a `Hook` run after each step, in order: the evaluation (evaluation.py), the save
+(saves.py), compiling ahead (compile.py) and the peer snapshot (snapshots.py). A hook that needs
+the state a step produced says so (`wants_state`): the next step donates it, so the loop reads
+the step back before the hooks run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from ..protocol import HookRef, Stop
+from .laps import Reporter
+
+
+@dataclasses.dataclass
+class StepDone:
+    """A step dispatched, as the hooks after it see it."""
+
+    step: int
+    state: Any  # the state after it, on the devices
+    boundary: bool  # a checkpoint boundary (every `checkpoint.every` steps, and the job's last step)
+    last: bool  # the job's last step
+    stop: Stop = Stop.RUN  # what the group agreed after it
+    step_seconds: float = 0.0  # the time of the last step read back
+
+    @property
+    def ends_segment(self) -> bool:
+        """The segment ends after this step: the job is done, or a stop asked for it here."""
+        return self.last or self.stop is Stop.NOW or (self.stop is Stop.AT_CHECKPOINT and self.boundary)
+
+
+class Hook:
+    def wants_state(self, step: int, boundary: bool) -> bool:
+        """This step's state is needed after it (the loop reads the step back before the hooks)."""
+        return False
+
+    def after_step(self, done: StepDone) -> None: ...
+
+    def close(self) -> None:
+        """The segment ends (also on an error): finish what is in flight."""
+
+
+class FaultHook:
+    """Where tests inject faults into a segment (testing/chaos.py implements one); here it does
+    nothing. A segment calls it as each phase begins, before each save, and after each batch."""
+
+    def entering(self, phase: str) -> None:
+        """`phase` ("start", "compile", "restore") begins."""
+
+    def saving(self, step: int, store) -> None:
+        """`step`'s save is about to begin; `store` has settled the save before it."""
+
+    def input_read(self, step: int) -> None:
+        """`step`'s batch is read; the time until it is dispatched counts as input time."""
+
+
+def load_fault_hook(ref: HookRef | None, report: Reporter) -> FaultHook:
+    """The hook a segment spec names (imported by name: the worker imports no test code)."""
+    if ref is None:
+        return FaultHook()
+    module, _, name = ref.factory.partition(":")
+    return getattr(importlib.import_module(module), name)(report, **ref.args)

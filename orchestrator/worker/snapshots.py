@@ -1,0 +1,83 @@
+"""Peer snapshots from the training loop: how often to take one, and taking it.
+
+Every few steps each process copies its shards of the state to the host and hands them to its
+`PeerSnapshots` (hosts/keepers.py), which sends them to keepers off the training thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+import time
+
+from ..protocol import CheckpointMeta
+from .hooks import Hook, StepDone
+
+
+class SnapshotPace:
+    """How often to take a peer snapshot: after every step whose copy to the host fits the budget
+    (a share of step time), measured as it goes: a copy (with any wait for queued sends) taking
+    `c` seconds beside steps of `t` seconds is taken every `ceil(c / (budget * t))` steps.
+    Process 0's interval is the group's (`StopAgreement`)."""
+
+    def __init__(self, budget: float, peers, window: int = 5):
+        self.interval = 1 if peers is not None and budget > 0 else 0  # 0: never
+        self._budget = budget
+        self.index: dict | None = None  # the snapshot index, made by the first take
+        # The medians of the last few: one copy slowed by something else (a compile beside
+        # training) does not stretch the interval for long.
+        self._copies: collections.deque = collections.deque(maxlen=window)
+        self._steps: collections.deque = collections.deque(maxlen=window)
+
+    def took(self, copy_seconds: float, step_seconds: float) -> None:
+        if not self.interval or step_seconds <= 0:
+            return
+        self._copies.append(copy_seconds)
+        self._steps.append(step_seconds)
+        copy, step = statistics.median(self._copies), statistics.median(self._steps)
+        self.interval = max(1, math.ceil(copy / (self._budget * step)))
+
+
+def take_snapshot(peers, state, meta: CheckpointMeta, pace: SnapshotPace, digest) -> float:
+    """Copy this process's shards of the state after `meta.step` to the host and hand them to
+    `peers` (sent in the background); returns the seconds the copy held the training loop. With the
+    state's digest once its program is compiled (never waited for here): a restore checks it."""
+    import jax
+
+    from checkpoint import take_snapshot as copy_to_host
+
+    from ..job.digest import digest_later
+
+    jax.block_until_ready(state)  # the step's own time is not the copy's
+    t = time.perf_counter()
+    pace.index, arrays = copy_to_host(state, pace.index)
+    # The digest is dispatched now and read by the send thread: the loop does not wait for it.
+    later = digest_later(digest.get(), state) if digest.ready() else None
+    peers.offer(meta.step, pace.index, arrays, meta.to_dict(), later)  # waits only while two earlier ones are queued
+    return time.perf_counter() - t
+
+
+class SnapshotHook(Hook):
+    """Takes a peer snapshot after the steps the group agreed on (`StopAgreement.snapshot_every`),
+    with the records of the steps since the newest commit, which a restore hands back."""
+
+    def __init__(self, peers, pace: SnapshotPace, agreement, saves, position, spec, digest, reports):
+        self.peers, self.pace, self.agreement, self.saves = peers, pace, agreement, saves
+        self.position, self.spec, self.digest, self.reports = position, spec, digest, reports
+
+    def after_step(self, done: StepDone) -> None:
+        every = self.agreement.snapshot_every
+        if done.ends_segment or not every or done.step % every:
+            return
+        self.reports.read_back()  # the copy waits for the step anyway; its report goes with it
+        meta = CheckpointMeta(
+            data_position=done.step,
+            examples_seen=self.position.example_index(done.step),
+            segment=self.spec.segment,
+            step=done.step,
+            reports=tuple(self.saves.unsaved(done.step)),
+        )
+        copy = take_snapshot(self.peers, done.state, meta, self.pace, self.digest)
+        self.pace.took(copy, self.reports.seconds)
+        self.reports.copied += copy
