@@ -16,10 +16,9 @@ def main(cache: str, work: str) -> None:
     import pathlib
     import threading
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from test_worker import spec
-
-    from orchestrator.worker.segment import run_segment
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from orchestrator.worker import run_segment
+    from tests.helpers.segments import spec
 
     work = pathlib.Path(work)
     small = spec(work, 4, 12)
@@ -27,6 +26,7 @@ def main(cache: str, work: str) -> None:
     reports, handed = [], threading.Event()
 
     def report(r):
+        r = r.to_dict()
         reports.append(r)
         if r["kind"] == "compile_ahead":
             handed.set()

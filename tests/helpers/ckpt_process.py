@@ -58,7 +58,7 @@ def main(role: str, process_id: int, processes: int, port: int, path: str, kind:
     elif role == "restore":
         want = expected_state(step)
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), want, shardings)
-        got = store.restore(step, target=target)
+        got, s = store.restore_with_stats(step, target=target)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             for shard in g.addressable_shards:
                 a, b = np.asarray(shard.data), np.asarray(w)[shard.index]
@@ -66,7 +66,6 @@ def main(role: str, process_id: int, processes: int, port: int, path: str, kind:
                     shard.index,
                     shard.device,
                 )
-        s = store.last_restore
         print(
             json.dumps(
                 {"process": process_id, "restored": step, "bytes_needed": s.bytes_needed, "bytes_read": s.bytes_read}

@@ -1,0 +1,423 @@
+"""The controller as a state machine, one transition at a time, with the host group and cluster
+injected (as Ray Train tests swap `worker_group_cls`): pure logic, no Ray, no devices."""
+
+import itertools
+import math
+
+import pytest
+
+from orchestrator import Phase, parse_job
+from orchestrator.control.controller import ControllerConfig, JobController
+from orchestrator.control.planning import PlanCache
+from orchestrator.hosts.group import HostsLostError, HostStatus, SegmentFailedError
+from orchestrator.protocol import from_dict
+from orchestrator.telemetry.console import ConsoleCallback
+from orchestrator.telemetry.goodput import GoodputCallback
+from orchestrator.telemetry.recorder import Recorder, RecorderCallback
+from orchestrator.telemetry.summary import SummaryCallback
+from orchestrator.testing.chaos import ChaosCallback, parse_chaos
+from partitioner import Cost, Plan
+
+
+class World:
+    """Hosts that can die, and the checkpoint that survives them."""
+
+    def __init__(self, hosts):
+        self.alive = [f"node{i}" for i in range(hosts)]
+        self.committed = 0
+        self.groups = []
+        self.broken = False
+        self.survivors_report = False  # hosts still alive answer the poll that finds the loss
+        self.stall = False  # groups end before training (a host that exits at once, say)
+        self.ignore_stop = False  # groups that never act on a stop request (a hung host)
+        self.eval_every = 0  # groups evaluate after every so many steps (0: never)
+        self.input_seconds = 0.0  # of each step's 0.1 s, waited for its batch
+        self.snapshot = None  # the next group restores this peer snapshot (a restore report's fields)
+
+    def alive_hosts(self):
+        return list(self.alive)
+
+    def host_env(self):
+        return {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+    def kill_host(self, node):
+        self.alive.remove(node)
+
+    def add_host(self):
+        self.alive.append(f"node{len(self.alive) + 10}")
+
+
+def status(reports, done):
+    """A host's answer to a poll, its reports typed as the real group types them."""
+    return HostStatus(tuple(from_dict(r) for r in reports), done, None)
+
+
+def fake_group_cls(world, every, now):
+    def stepped(step):
+        return {"kind": "step", "step": step, "loss": 1.0 / step, "seconds": 0.1, "at": now(),
+                "tokens_per_second": 10.0, "mfu": 0.5, "input_seconds": world.input_seconds}  # fmt: skip
+
+    def saved(step):
+        return {"kind": "checkpoint", "step": step, "seconds": 0.01, "at": now()}
+
+    class FakeGroup:
+        def __init__(self, hosts, config, standby=None):
+            self.size = hosts
+            self.node_ids = world.alive[:hosts]
+            self.stop = False
+            self.step = None
+            self.env = config.env_vars
+            world.groups.append(self)
+
+        def start(self, spec_for, snapshots=None, executables=None):
+            self.specs = [spec_for(i, "127.0.0.1:1") for i in range(self.size)]
+            self.step = world.committed
+            self.pending = (
+                [{"kind": "restore", "step": self.step, "source": "disk", "seconds": 0.01, "at": now()}]
+                if self.step
+                else []
+            )
+            if world.snapshot:  # a peer snapshot past the commit, with the step reports it kept
+                self.step = world.snapshot["step"]
+                self.pending = [{"kind": "restore", "seconds": 0.01, "at": now(), **world.snapshot}]
+                world.snapshot = None
+            self.stop_now = False
+
+        def poll(self):
+            if world.broken:
+                raise SegmentFailedError("host 0 failed:\nZeroDivisionError: in the user's step")
+            dead = [i for i, n in enumerate(self.node_ids) if n not in world.alive]
+            if dead:
+                survivors = []
+                if world.survivors_report:  # they finished one more step before the loss was seen
+                    self.step += 1
+                    r = stepped(self.step)
+                    survivors = [(i, status([r], False)) for i in range(self.size) if i not in dead]
+                raise HostsLostError(dead, [self.node_ids[i] for i in dead], "ActorDiedError", survivors)
+            pending, self.pending = self.pending, []
+            if world.stall or self.step >= self.specs[0].steps:
+                return [status(pending, True) for _ in range(self.size)]
+            if self.stop_now and not world.ignore_stop:  # save the step reached, then end
+                world.committed = self.step
+                return [status([*pending, saved(self.step)], True) for _ in range(self.size)]
+            self.step += 1
+            reports = [*pending, stepped(self.step)]
+            if world.eval_every and self.step % world.eval_every == 0:
+                reports.append({"kind": "eval", "step": self.step, "loss": 2.0 / self.step, "seconds": 0.05,
+                                "at": now(), "metrics": {"accuracy": 0.5}})  # fmt: skip
+            done = False
+            if self.step % every == 0:
+                world.committed = self.step
+                reports.append(saved(self.step))
+                done = self.stop and not world.ignore_stop
+            done = done or self.step >= self.specs[0].steps
+            return [status(reports, done) for _ in range(self.size)]
+
+        def compile_ahead(self, plan_json):
+            self.ahead = [*getattr(self, "ahead", []), plan_json]
+
+        def request_stop(self, now=False):
+            self.stop = True
+            self.stop_now = self.stop_now or now
+
+        def shutdown(self):
+            pass
+
+    return FakeGroup
+
+
+def fake_plan(devices):
+    return Plan(
+        mesh={"data": devices},
+        in_specs=((), ()),
+        out_specs=(),
+        devices=devices,
+        search_seconds=0.0,
+        cost=Cost(0.0, 0.0, {}, 0),
+    )
+
+
+def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None):
+    """A controller on `world`, and the run summary its callbacks keep; the terminal's lines go to `lines`."""
+    lines = [] if lines is None else lines
+    job = parse_job(
+        {
+            "name": "t",
+            "program": "m:p",
+            "steps": steps,
+            "global_batch": 8,
+            "hosts": {"min": 2, "max": 4, "devices_per_host": 2},
+            "checkpoint": {"dir": "/tmp/x", "every": 5},
+        }
+    )
+    ticks = itertools.count()
+    now = lambda: float(next(ticks))  # one clock for the controller and the hosts' stamps, 1 s a read
+    goodput = GoodputCallback()
+    summary = SummaryCallback(goodput)
+    callbacks = [
+        goodput,
+        summary,
+        RecorderCallback(recorder or Recorder(), goodput, summary),
+        ConsoleCallback(lines.append),
+    ]
+    if chaos:
+        callbacks.append(ChaosCallback(chaos, lines.append))
+    c = JobController(
+        job,
+        world,
+        plans=PlanCache(fake_plan, "f"),
+        config=ControllerConfig(poll_interval_s=0, host_check_interval_s=0, stop_grace_s=grace),
+        callbacks=callbacks,
+        group_cls=fake_group_cls(world, 5, now),
+        clock=now,
+        wall=now,
+        sleep=lambda s: None,
+        committed=committed,
+    )
+    return c, summary.summary
+
+
+def run_until(c, pred, limit=500):
+    for _ in range(limit):
+        if pred():
+            return
+        c.step()
+    raise AssertionError(f"condition not reached; phase {c.phase}")
+
+
+def test_start_transitions_one_at_a_time():
+    world = World(4)
+    c, s = make(world)
+    assert c.phase is Phase.PLANNING
+    assert c.step() is Phase.STARTING
+    assert s.events[-1]["kind"] == "replan" and s.events[-1]["devices"] == 8
+    assert c.step() is Phase.RUNNING
+    assert world.groups[0].env["XLA_FLAGS"].endswith("=2")  # the cluster says what a host process needs
+    assert c.step() is Phase.RUNNING and s.losses == {1: 1.0}
+
+
+def test_host_loss_replans_on_fewer_hosts_and_resumes_from_the_committed_step():
+    world = World(4)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 12)
+    world.kill_host("node3")
+    assert c.step() is Phase.PLANNING
+    assert [e["kind"] for e in s.events][-1] == "host_lost"
+    assert c.step() is Phase.STARTING and s.events[-1]["devices"] == 6
+    assert c.step() is Phase.RUNNING
+    assert world.groups[-1].step == 10  # restored at the last committed checkpoint, not 12
+    c.step()
+    assert s.recovery_seconds and s.segments[-1].first_step == 11
+    run_until(c, lambda: c.phase.is_terminal)
+    assert c.phase is Phase.FINISHED and s.steps_completed == 30
+    assert [seg.devices for seg in s.segments] == [8, 6]
+
+
+def test_added_host_grows_at_the_next_checkpoint_boundary():
+    world = World(3)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 7)
+    world.add_host()
+    c.step()
+    assert s.events[-1]["kind"] == "host_added"
+    run_until(c, lambda: c.phase is Phase.PLANNING)
+    assert s.steps_completed == 10  # stopped exactly at the checkpoint boundary
+    run_until(c, lambda: c.phase.is_terminal)
+    assert [seg.devices for seg in s.segments] == [6, 8]
+    assert s.segments[1].first_step == 11
+
+
+def test_too_few_hosts_fails_with_a_reason():
+    world = World(2)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 3)
+    world.kill_host("node1")
+    run_until(c, lambda: c.phase.is_terminal)
+    assert c.phase is Phase.FAILED and "needs at least 2" in s.reason
+
+
+def test_chaos_kills_the_named_host_once_its_step_is_reached():
+    world = World(4)
+    c, s = make(world, chaos=parse_chaos("lose@6:0"))
+    run_until(c, lambda: s.steps_completed == 6)
+    c.step()
+    assert "node0" not in world.alive
+    run_until(c, lambda: c.phase.is_terminal)
+    assert c.phase is Phase.FINISHED
+    lost = [e for e in s.events if e["kind"] == "host_lost"]
+    assert len(lost) == 1 and lost[0]["hosts"] == [0]
+
+
+def test_an_error_in_the_program_fails_the_job_with_its_traceback():
+    world = World(4)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 3)
+    world.broken = True
+    assert c.step() is Phase.FAILED
+    assert "ZeroDivisionError" in s.reason
+
+
+def test_goodput_parts_add_up_to_wall_time_and_recomputed_steps_are_lost():
+    world = World(4)
+    c, s = make(world, chaos=parse_chaos("lose@12"), steps=20)
+    c.run()
+    summary = s
+    g = summary.goodput
+    parts = g["useful_seconds"] + sum(g["badput_seconds"].values())
+    assert parts == pytest.approx(g["wall_seconds"], abs=1e-6)
+    # Every step counts as useful once (20 x 0.1 s); steps 11 and 12 ran twice (restored from
+    # step 10), and their second run is lost, as is the time the failure took to detect.
+    assert g["useful_seconds"] == pytest.approx(20 * 0.1)
+    assert g["badput_seconds"]["lost"] >= 2 * 0.1
+    assert g["badput_seconds"]["checkpoint"] == pytest.approx(4 * 0.01)  # steps 5, 10, then 15, 20
+    assert g["badput_seconds"]["planning"] > 0 and g["badput_seconds"]["startup"] > 0
+    assert summary.throughput["mfu"] == 0.5 and summary.throughput["steps_measured"] == 22
+    assert [seg.medians["step_seconds"] for seg in summary.segments] == [0.1, 0.1]
+    # The loss's own badput: from the last report before it to the first step past step 12.
+    (charged,) = summary.loss_badput
+    assert charged["lost"] >= 2 * 0.1 and charged["restore"] == pytest.approx(0.01) and charged["planning"] > 0
+    assert charged["total"] == pytest.approx(sum(v for k, v in charged.items() if k != "total"))
+    assert summary.recomputed_steps == [2]  # restored step 10 after step 12 was reached
+
+
+def test_evaluations_are_reported_like_the_training_loss_and_input_waits_charged_as_input():
+    world = World(4)
+    world.eval_every, world.input_seconds = 4, 0.02
+    c, s = make(world, chaos=parse_chaos("lose@12"), steps=20)
+    c.run()
+    summary = s
+    d = summary.to_dict()
+    evaluated = [s for s in range(1, 21) if s % 4 == 0]
+    assert [i + 1 for i, x in enumerate(d["metrics"]["eval/loss"]) if x is not None] == evaluated
+    assert all(d["metrics"]["eval/loss"][s - 1] == 2.0 / s for s in evaluated)
+    assert {d["metrics"]["eval/accuracy"][s - 1] for s in evaluated} == {0.5}
+    assert len(d["losses"]) == 20 and None not in d["losses"]  # training losses unaffected
+    # Step 12 is evaluated twice (before the loss after it and after the restore from 10): both charged.
+    assert [e["step"] for e in d["events"] if e["kind"] == "eval"] == [4, 8, 12, 12, 16, 20]
+    g = summary.goodput
+    assert g["badput_seconds"]["eval"] == pytest.approx(6 * 0.05)
+    # Input waits are carved out of each step's time: 22 steps ran (11 and 12 twice).
+    assert g["badput_seconds"]["input"] == pytest.approx(22 * 0.02)
+    assert g["useful_seconds"] == pytest.approx(20 * 0.08)
+    assert g["useful_seconds"] + sum(g["badput_seconds"].values()) == pytest.approx(g["wall_seconds"], abs=1e-6)
+
+
+@pytest.mark.parametrize("lost_host", [0, 3])
+def test_steps_reported_in_the_poll_that_finds_a_loss_are_kept_even_without_process_0(lost_host):
+    world = World(4)
+    world.survivors_report = True
+    c, s = make(world, chaos=parse_chaos(f"lose@12:{lost_host}"), steps=20)
+    seen = []
+    while not c.phase.is_terminal:
+        c.step()
+        if s.events and s.events[-1]["kind"] == "host_lost" and not seen:
+            seen = sorted(s.losses)
+    # Step 13 came only from the survivors' answers to the poll that found the loss.
+    assert seen[-1] == 13 and s.losses[13] == pytest.approx(1 / 13)
+
+
+def test_steps_whose_reports_went_with_a_lost_group_come_back_with_the_snapshot_restored():
+    """The group ran steps 13 and 14 and snapshotted 14, then lost a host before the controller
+    polled those steps: the restore brings their reports (kept with the snapshot), and the run's
+    losses and step rows have them, as the segment that ran them, once."""
+
+    class Rows(Recorder):
+        def __init__(self):
+            self.rows = []
+
+        def step(self, host, segment, report, speaker):
+            self.rows.append((segment, host, report["step"]))
+
+    world, rows = World(4), Rows()
+    c, s = make(world, steps=20, recorder=rows)
+    run_until(c, lambda: s.steps_completed == 12)
+    kept = [{"step": s, "loss": 1.0 / s, "at": 0.0, "seconds": 0.1, "metrics": {}} for s in (11, 12, 13, 14)]
+    world.snapshot = {"step": 14, "source": "memory", "reported": {"segment": 0, "steps": kept}}
+    world.kill_host("node3")
+    run_until(c, lambda: c.phase.is_terminal)
+    assert c.phase is Phase.FINISHED and sorted(s.losses) == list(range(1, 21))
+    assert s.losses[13] == 1.0 / 13 and s.segments[1].first_step == 15
+    assert [r for r in rows.rows if r[2] in (13, 14)] == [(1, 0, 13), (1, 0, 14)]
+    assert [e["recomputed"] for e in s.events if e["kind"] == "restore"] == [0]
+
+
+def test_a_rerun_of_a_finished_job_ends_at_once_without_starting_hosts():
+    world = World(4)
+    c, s = make(world, committed=lambda: 30)
+    c.run()
+    summary = s
+    assert summary.state == "finished" and summary.steps_completed == 30
+    assert "already complete" in summary.reason and not world.groups
+
+
+def test_a_segment_restored_at_the_last_step_finishes_the_job():
+    # The job's final step is committed but the controller was not told (a checkpoint written
+    # while it planned, say): the group restores step 30, has nothing left and ends.
+    world = World(4)
+    world.committed = 30
+    c, s = make(world)
+    run_until(c, lambda: c.phase.is_terminal, limit=20)
+    assert c.phase is Phase.FINISHED and s.steps_completed == 30 and len(world.groups) == 1
+
+
+def test_segments_that_end_without_a_new_step_fail_after_a_bounded_number():
+    world = World(4)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 7)
+    world.stall = True
+    run_until(c, lambda: c.phase.is_terminal, limit=50)
+    assert c.phase is Phase.FAILED and "3 segments in a row ended without completing a step" in s.reason
+    assert len(world.groups) == 4  # the one that trained, then three that did not
+
+
+def test_a_stop_saves_the_step_reached_and_stops_the_hosts():
+    world = World(4)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 7)
+    c.request_stop("stopped by signal SIGTERM")
+    assert c.step() is Phase.STOPPING
+    run_until(c, lambda: c.phase.is_terminal, limit=10)
+    assert c.phase is Phase.STOPPED and world.committed == s.steps_completed >= 7
+    assert s.reason.startswith("stopped by signal SIGTERM")
+
+
+def test_a_stop_is_bounded_by_its_grace_and_a_second_request_is_immediate():
+    from orchestrator.control.controller import JobStopped
+
+    world = World(4)
+    world.ignore_stop = True
+    c, s = make(world, grace=3.0)  # the fake clock advances 1 s a read: over before step 10 is saved
+    run_until(c, lambda: s.steps_completed == 7)
+    c.request_stop("stopped by signal SIGTERM")
+    run_until(c, lambda: c.phase.is_terminal, limit=30)
+    assert c.phase is Phase.STOPPED and "did not finish within 3 s" in s.reason
+    assert world.committed == 5  # the newest commit stands
+
+    c, s = make(World(4))
+    c.step()
+    with pytest.raises(JobStopped):  # nothing trains yet: stop at once
+        c.request_stop("stopped by signal SIGINT")
+
+
+def test_running_medians_match_statistics_in_memory_bounded_by_the_spread():
+    """The controller's medians over every step cost the same at any length of run."""
+    import random
+    import statistics
+
+    from orchestrator.protocol import Step
+    from orchestrator.telemetry.goodput import RunningMedian, Throughput
+
+    rng = random.Random(3)
+    for n in (1, 2, 3, 10, 1001):
+        xs = [rng.uniform(0.05, 0.2) for _ in range(n)]
+        assert RunningMedian(xs).median() == pytest.approx(statistics.median(xs), rel=1e-3)
+        repeated = [0.1] * n + [0.25] * (n // 2)
+        assert RunningMedian(repeated).median() == statistics.median(repeated)  # exact where values repeat
+    m = RunningMedian()
+    for _ in range(100_000):
+        m.add(rng.uniform(0.05, 0.2))
+    assert len(m) == 100_000 and len(m._bins) <= 1 + int(math.log(4) / RunningMedian.RESOLUTION) + 1
+    t = Throughput()
+    for step in range(1, 200):
+        t.add(Step(step=step, loss=0.0, seconds=0.1, tokens_per_second=float(step), mfu=0.5))
+    assert t.summary()["tokens_per_second"] == 100.0 and t.recent(20)["tokens_per_second"] == 189.5

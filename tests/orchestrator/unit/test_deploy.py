@@ -1,0 +1,157 @@
+"""deploy/ checked against the code: images, entrypoints, resource names, ports and metric names."""
+
+import json
+import os
+import re
+import shlex
+import tomllib
+
+import pytest
+import yaml
+
+from tests.helpers.paths import ROOT
+
+DEPLOY = os.path.join(ROOT, "deploy")
+MANIFESTS = ["raycluster-gpu.yaml", "rayjob-gpu.yaml", "raycluster-tpu.yaml", "rayjob-tpu.yaml"]
+
+
+def load(name):
+    with open(os.path.join(DEPLOY, "kuberay", name)) as f:
+        return yaml.safe_load(f)
+
+
+def cluster_spec(doc):
+    return doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+
+
+def containers(spec):
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def version():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifests_use_the_image_the_dockerfile_builds_with_token_auth(name):
+    doc = load(name)
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] in ("RayCluster", "RayJob")
+    spec = cluster_spec(doc)
+    family = "gpu" if "gpu" in name else "tpu"
+    dockerfile = open(os.path.join(DEPLOY, "Dockerfile")).read()
+    assert f"-t remesh/remesh:{version()}-{family}" in dockerfile
+    import ray
+
+    assert spec["rayVersion"] == ray.__version__  # the image installs the Ray remesh pins; the operator must agree
+    for c in containers(spec):
+        assert c["image"] == f"remesh/remesh:{version()}-{family}", c["image"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "remesh-ray-token"
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_worker_pods_are_remesh_hosts_with_their_accelerators(name):
+    from orchestrator.hosts.group import HOST_RESOURCE
+
+    spec = cluster_spec(load(name))
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no host actors on the head
+    for group in spec["workerGroupSpecs"]:
+        resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        assert resources[HOST_RESOURCE] == 1
+        (c,) = group["template"]["spec"]["containers"]
+        limits = c["resources"]["limits"]
+        if "gpu" in name:
+            assert limits["nvidia.com/gpu"] == int(group["rayStartParams"]["num-gpus"]) == 8
+        else:
+            assert limits["google.com/tpu"] == resources["TPU"] == 4
+            assert group["numOfHosts"] > 1  # a multi-host slice
+            selector = group["template"]["spec"]["nodeSelector"]
+            chips = 1
+            for n in selector["cloud.google.com/gke-tpu-topology"].split("x"):
+                chips *= int(n)
+            assert chips == group["numOfHosts"] * limits["google.com/tpu"]
+
+
+@pytest.mark.parametrize("name", ["rayjob-gpu.yaml", "rayjob-tpu.yaml"])
+def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(name):
+    from orchestrator.cli.main import build_parser
+    from orchestrator.control.controller import ControllerConfig
+    from orchestrator.job.jobfile import load_job
+    from partitioner import profile
+
+    doc = load(name)
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    assert argv[0] == "remesh"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "run" and args.address == "auto"
+    dockerfile = open(os.path.join(DEPLOY, "Dockerfile")).read()
+    assert "WORKDIR /app" in dockerfile and "COPY examples ./examples" in dockerfile
+    job = load_job(os.path.join(ROOT, args.job))  # /app in the image is the repository root
+    (group,) = cluster_spec(doc)["workerGroupSpecs"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    accelerators = limits.get("nvidia.com/gpu") or limits.get("google.com/tpu")
+    assert job.hosts.devices_per_host == accelerators
+    assert profile(job.hardware).name.startswith("h100" if "gpu" in name else "tpu")
+    mounts = {m["mountPath"] for m in group["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert any(job.checkpoint.dir.startswith(m + "/") for m in mounts), (job.checkpoint.dir, mounts)
+    # A preemption of the head (where the job's controller runs) gives notice through --stop-file,
+    # with time to commit the step reached.
+    head = cluster_spec(doc)["headGroupSpec"]["template"]["spec"]
+    hook = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert args.stop_file and f"touch {args.stop_file}" in hook[-1]
+    assert head["terminationGracePeriodSeconds"] > ControllerConfig().stop_grace_s
+
+
+def test_prometheus_scrapes_the_metrics_port_and_restores_remesh_names():
+    with open(os.path.join(DEPLOY, "prometheus", "prometheus.yml")) as f:
+        config = yaml.safe_load(f)
+    ports = {
+        g["rayStartParams"]["metrics-export-port"]
+        for n in MANIFESTS
+        for g in [cluster_spec(load(n))["headGroupSpec"], *cluster_spec(load(n))["workerGroupSpecs"]]
+    }
+    assert ports == {"8080"}
+    for n in MANIFESTS:
+        for c in containers(cluster_spec(load(n))):
+            assert {"containerPort": 8080, "name": "metrics"} in c["ports"]
+    from orchestrator.metrics import METRICS
+
+    for job in config["scrape_configs"]:
+        (rule,) = job["metric_relabel_configs"]
+        assert rule["target_label"] == "__name__"
+        for name in METRICS:  # what Ray exports -> what Grafana queries
+            exported = f"ray_{name}"
+            m = re.fullmatch(rule["regex"], exported)
+            assert m and m.expand(rule["replacement"].replace("$1", r"\1")) == name
+        assert re.fullmatch(rule["regex"], "ray_node_cpu_utilization") is None  # Ray's own are left alone
+
+
+def test_grafana_dashboard_shows_the_built_in_pages_figures_with_metric_names_from_the_code():
+    from orchestrator.metrics import METRICS
+
+    with open(os.path.join(DEPLOY, "grafana", "remesh-dashboard.json")) as f:
+        dashboard = json.load(f)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"]]
+    used = {m for e in exprs for m in re.findall(r"\bremesh_\w+", e)}
+    assert used <= set(METRICS), used - set(METRICS)
+    # The dashboard page's figures: tokens/s, MFU, goodput and its badput, loss, per-host step
+    # times, resizes (devices) and host losses.
+    assert {
+        "remesh_tokens_per_second",
+        "remesh_mfu",
+        "remesh_goodput_ratio",
+        "remesh_badput_seconds",
+        "remesh_loss",
+        "remesh_step_seconds",
+        "remesh_wait_seconds",
+        "remesh_devices",
+        "remesh_host_losses_total",
+    } <= used
+    step_panel = next(p for p in dashboard["panels"] if "remesh_step_seconds" in p["targets"][0]["expr"])
+    assert "{{host}}" in step_panel["targets"][0]["legendFormat"]  # per host, so a straggler stands out
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))

@@ -1,0 +1,89 @@
+import pytest
+
+from orchestrator import JobFileError, load_job, parse_job
+
+GOOD = {
+    "name": "j",
+    "program": "examples.gpt.model:program",
+    "steps": 10,
+    "global_batch": 8,
+    "hosts": {"min": 1, "max": 2, "devices_per_host": 2},
+    "checkpoint": {"dir": "ck", "every": 5},
+}
+
+
+def with_(**changes):
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in GOOD.items()}
+    for dotted, value in changes.items():
+        *tables, key = dotted.split("__")
+        target = raw
+        for t in tables:
+            target = target[t]
+        if value is None:
+            del target[key]
+        else:
+            target[key] = value
+    return raw
+
+
+def test_parses_with_defaults_and_resolves_dir(tmp_path):
+    job = parse_job(GOOD, base_dir=str(tmp_path))
+    assert job.steps == 10 and job.seed == 0 and job.hardware == "cpu" and job.checkpoint.keep == 3
+    assert job.checkpoint.keep_every == 0 and parse_job(with_(checkpoint__keep_every=100)).checkpoint.keep_every == 100
+    assert job.planner == "fast" and parse_job(with_(planner="thorough")).planner == "thorough"
+    assert job.checkpoint.dir == str(tmp_path / "ck")
+    assert job.hosts.devices_per_host == 2
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"stepz": 3}, ["unknown key stepz"]),
+        ({"hosts__gpus": 3}, ["unknown key hosts.gpus"]),
+        ({"steps": "10"}, ["key steps must be int", "str"]),
+        ({"steps": True}, ["key steps must be int", "bool"]),
+        ({"checkpoint__every": 1.5}, ["checkpoint.every must be int"]),
+        ({"global_batch": None}, ["missing key global_batch"]),
+        ({"hosts": None}, ["missing table [hosts]"]),
+        ({"program": "no_colon"}, ["module:attribute", "no_colon"]),
+        ({"hosts__min": 3}, ["1 <= min <= max", "min=3 max=2"]),
+        ({"steps": 0}, ["steps must be positive"]),
+        ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
+        ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
+        ({"options": "train.bin"}, ["options must be a table ([options])", "str 'train.bin'"]),
+    ],
+)
+def test_bad_job_files_name_the_key(changes, words):
+    with pytest.raises(JobFileError) as e:
+        parse_job(with_(**changes))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_options_reach_a_program_factory_as_job_settings(tmp_path):
+    job = parse_job(with_(options={"train_tokens": ["a.bin", "b.bin"], "learning_rate": 0.01}))
+    settings = job.settings()
+    assert (settings.steps, settings.global_batch, settings.seed) == (10, 8, 0)
+    assert settings.options == {"train_tokens": ["a.bin", "b.bin"], "learning_rate": 0.01}
+    assert parse_job(GOOD).settings().options == {}
+    dated = tmp_path / "dated.toml"
+    dated.write_text(
+        'name = "j"\nprogram = "m:p"\nsteps = 1\nglobal_batch = 1\n[hosts]\nmin = 1\nmax = 1\n'
+        'devices_per_host = 1\n[checkpoint]\ndir = "c"\nevery = 1\n[options]\nstart = 2026-11-24\n'
+    )
+    with pytest.raises(JobFileError, match="hosts cannot be sent"):
+        load_job(dated)
+
+
+def test_load_job_errors_on_missing_and_invalid_toml(tmp_path):
+    with pytest.raises(JobFileError, match="does not exist"):
+        load_job(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(JobFileError, match="not valid TOML"):
+        load_job(bad)
+
+
+def test_example_job_file_is_valid():
+    job = load_job("examples/gpt/job.toml")
+    assert job.global_batch % 8 == 0 and job.global_batch % 6 == 0

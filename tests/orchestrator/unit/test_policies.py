@@ -1,0 +1,56 @@
+import pytest
+
+from orchestrator import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
+from orchestrator.testing.chaos import ChaosInjector, ChaosSpecError, Fault, parse_chaos
+
+
+def test_scaling_starts_on_what_is_there_up_to_max_and_grows():
+    p = ScalingPolicy(min_hosts=2, max_hosts=4)
+    assert p.initial(6) == Resize(4, "6 hosts available at start")
+    assert isinstance(p.initial(1), Fail)
+    assert p.on_progress(current=3, available=4).hosts == 4
+    assert p.on_progress(current=4, available=5) == Continue()
+    assert p.on_progress(current=3, available=3) == Continue()
+
+
+def failure(**kw):
+    base = dict(hosts_in_group=4, hosts_lost=1, processes_lost=0, hosts_alive=3, failures_in_a_row=0)
+    return Failure(**{**base, **kw})
+
+
+def test_failure_policy_decisions():
+    p = FailurePolicy(min_hosts=2, max_hosts=4, max_failures=3)
+    assert p.on_failure(failure()) == Resize(3, "1 host(s) lost")
+    assert isinstance(p.on_failure(failure(hosts_lost=0, processes_lost=1, hosts_alive=4)), Restart)
+    assert "needs at least 2" in p.on_failure(failure(hosts_alive=1)).reason
+    assert "4 failures in a row" in p.on_failure(failure(failures_in_a_row=3)).reason
+
+
+def test_chaos_parsing_and_firing():
+    faults = parse_chaos("add@80, lose@40,lose-in-save@50:0,slow@5:1")
+    assert faults == (Fault("slow", 5, (1,)), Fault("lose", 40), Fault("lose-in-save", 50, (0,)), Fault("add", 80))
+    inj = ChaosInjector(faults)
+    assert inj.slow_hosts() == {1: 5}
+    assert inj.due(39) == []
+    assert inj.due(45) == [Fault("lose", 40)]
+    assert inj.due(45) == []  # fires once
+    assert inj.hangs(45) == [Fault("lose-in-save", 50, (0,))]  # rides in every group until it fires
+    assert inj.due(100) == [Fault("add", 80)]
+    assert inj.slow_hosts() == {1: 5}  # a straggler stays one for every segment
+    assert inj.hung("save", 50) == Fault("lose-in-save", 50, (0,)) and inj.hangs(100) == []
+    for bad in ("lose", "lose@x", "explode@3", "add@3:1", "freeze@3:1+2", "lose@3:1+1", "add-in-recovery@3:0"):
+        with pytest.raises(ChaosSpecError):
+            parse_chaos(bad)
+
+
+def test_storm_kinds_parse_and_fire_where_they_belong():
+    faults = parse_chaos("lose@10:0+2,lose-in-restore@20:1,lose-in-start@20,freeze@30:1,add-in-recovery@5")
+    assert faults[0] == Fault("add-in-recovery", 5) and faults[1] == Fault("lose", 10, (0, 2))
+    assert str(faults[1]) == "lose@10:0+2" and faults[1].hosts_in(2) == [0, 1]  # beyond the group: its last
+    inj = ChaosInjector(faults)
+    assert inj.hangs(19) == []  # a phase fault rides in groups started once its step is done
+    assert {f.phase for f in inj.hangs(20)} == {"restore", "start"}
+    assert inj.recovery_adds(4) == [] and inj.recovery_adds(12) == [Fault("add-in-recovery", 5)]
+    assert inj.due(30) == [Fault("lose", 10, (0, 2)), Fault("freeze", 30, (1,))]
+    assert inj.hung("restore", None) == Fault("lose-in-restore", 20, (1,))
+    assert inj.hangs(40) == [Fault("lose-in-start", 20)]

@@ -1,0 +1,138 @@
+"""Sharding propagation over the factor graph: a few annotations shard everything else."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from partitioner.capture import capture
+from partitioner.propagate import propagate
+
+f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+MESH = {"data": 2, "model": 4}
+
+
+def mlp(x, w1, w2):
+    return jax.nn.relu(x @ w1) @ w2
+
+
+def producer_of(g, primitive, n=0):
+    return [op for op in g.ops if op.primitive == primitive][n]
+
+
+def test_megatron_annotations_propagate_column_then_row_parallel():
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    first, second = producer_of(g, "dot_general", 0), producer_of(g, "dot_general", 1)
+    hidden = first.results[0]
+    assert p.shardings[hidden] == (("data",), ("model",))  # column-parallel: hidden units split
+    assert p.shardings[g.outputs[0]] == (("data",), ())  # row-parallel: whole columns again ...
+    reduce = [c for c in p.communication if c.kind == "all-reduce"]
+    assert [(c.op, c.axes) for c in reduce] == [(second.id, ("model",))]  # ... after one all-reduce
+    assert reduce[0].bytes == 16 * 64 * 4 // 2  # the (batch/2, 64) partial sums per device
+    assert not [c for c in p.communication if c.kind == "reshard"]
+
+
+def test_data_parallel_batch_annotation_reaches_the_loss_and_gradients_need_a_reduction():
+    loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    g = capture(jax.grad(loss), f32(64, 64), f32(32, 64))
+    w, x = g.inputs
+    p = propagate(g, {w: ((), ()), x: (("data",), ())}, MESH)
+    grad_matmul = [op for op in g.ops if op.primitive == "dot_general" and g.values[op.results[0]].shape == (64, 64)]
+    assert grad_matmul and any(
+        c.kind == "all-reduce" and c.op == grad_matmul[0].id and c.axes == ("data",) for c in p.communication
+    )
+    assert p.shardings.get(g.outputs[0], ((), ())) == ((), ())  # the gradient is whole (summed)
+
+
+def test_a_dimension_that_does_not_divide_stays_replicated():
+    g = capture(lambda x, w: x @ w, f32(6, 64), f32(64, 30))
+    x, w = g.inputs
+    p = propagate(g, {x: ((), ()), w: ((), ("model",))}, MESH)  # 30 does not divide by 4
+    assert p.of(g.outputs[0], 2) == ((), ())
+
+
+def test_backward_propagation_from_an_output_annotation():
+    g = capture(lambda x, w: jnp.tanh(x @ w), f32(16, 64), f32(64, 128))
+    out = g.outputs[0]
+    p = propagate(g, {out: (("data",), ("model",))}, MESH)
+    x, w = g.inputs
+    assert p.shardings[x][0] == ("data",) and p.shardings[w][1] == ("model",)
+
+
+def test_megatron_mlp_is_priced_with_one_intra_host_all_reduce():
+    from partitioner.cost import estimate
+    from partitioner.hardware import profile
+
+    h100 = profile("h100")
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    cost = estimate(p, h100)
+    partial = 16 * 64 * 4 // 2
+    assert cost.collective_bytes == {"all-reduce": 2 * 3 * partial // 4, "all-gather": 0}
+    # Latency: a tree's 2*log2(4) = 4 steps, fewer than a ring's 2*(4-1) = 6.
+    assert cost.communication_seconds == pytest.approx(
+        2 * 3 / 4 * partial / h100.intra.bandwidth + 4 * h100.intra.latency
+    )
+    # Per device: x/2, w1/4 and w2/4 throughout (the caller's); the peak is while relu's output
+    # and the hidden activation it reads, each (16, 256) split 8 ways, are both live.
+    x_b, w_b, h_b = 16 * 64 * 4 // 2, 64 * 256 * 4 // 4, 16 * 256 * 4 // 8
+    assert cost.peak_bytes_per_device == x_b + 2 * w_b + 2 * h_b
+
+
+def test_spreading_one_annotation_at_a_time_reads_where_the_earlier_ones_sent_an_axis():
+    """`Spreading` (Megatron's decisions, one weight at a time): after the first weight's split,
+    the hidden activation the second weight multiplies arrives split over model; after both,
+    every value is sharded as one propagation of both annotations shards it."""
+    from partitioner.propagate import Spreading
+
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    hidden = producer_of(g, "dot_general", 0).results[0]
+    s = Spreading(g, MESH)
+    s.add({x: (("data",), ())})
+    assert s.of(hidden, 2) == (("data",), ())
+    s.add({w1: ((), ("model",))})
+    assert s.of(hidden, 2) == (("data",), ("model",))
+    s.add({w2: (("model",), ())})
+    whole = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    assert {v: s.of(v, len(g.values[v].shape)) for v in whole.shardings} == whole.shardings
+
+
+def test_a_price_beyond_the_bound_skips_the_peak_and_says_so():
+    """`estimate(..., beyond=)`: None where compute and communication alone reach the bound (a
+    refinement trial that cannot be accepted), the same cost as without it otherwise."""
+    from partitioner.cost import estimate
+    from partitioner.hardware import profile
+
+    h100 = profile("h100")
+    g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
+    x, w1, w2 = g.inputs
+    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    cost = estimate(p, h100)
+    assert estimate(p, h100, beyond=cost.total_seconds) is None
+    assert estimate(p, h100, beyond=cost.total_seconds * 1.001) == cost
+
+
+def test_a_heads_split_wider_than_the_kv_groups_lands_on_the_query_groups():
+    """Eight query heads read as two K/V groups of four (grouped-query attention against
+    un-repeated K/V), split four ways: 2 x 2 blocks, which XLA computes without moving anything.
+    The groups' factor stands for the split, so attention is priced split four ways, and the
+    heads merged back are split as they came, with nothing resharded."""
+
+    def attention(q, k):
+        b, s = q.shape[:2]
+        grouped = q.reshape(b, s, 2, 4, 64)
+        probs = jax.nn.softmax(jnp.einsum("bskgd,btkd->bkgst", grouped, k), axis=-1)
+        return jnp.einsum("bkgst,btkd->bskgd", probs, k).reshape(b, s, 8, 64)
+
+    g = capture(attention, f32(2, 16, 8, 64), f32(2, 16, 2, 64))
+    q, k = g.inputs
+    p = propagate(g, {q: ((), (), ("model",), ())}, MESH)
+    grouped = producer_of(g, "reshape", 0).results[0]
+    assert p.shardings[grouped] == ((), (), (), ("model",), ())
+    logits = producer_of(g, "dot_general", 0).results[0]
+    assert ("model",) in p.shardings[logits]
+    assert p.shardings[g.outputs[0]] == ((), (), ("model",), ())
+    assert not [c for c in p.communication if c.kind == "reshard"], p.communication
