@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import threading
@@ -27,6 +28,9 @@ class HostActor:
         self._done = False
         self._error: str | None = None
         self._port: socket.socket | None = None  # the coordinator's port, held until the segment starts
+        # Held while `warm` imports: a segment waits for it, since two threads importing one library
+        # at once can meet its modules half-initialised (optax imports itself in a circle).
+        self._importing = threading.Lock()
 
     def warm(self, modules: Sequence[str]) -> float:
         """Import what a segment will (the program's module, the partitioner and checkpoint code)
@@ -35,11 +39,12 @@ class HostActor:
         import time
 
         t = time.perf_counter()
-        for name in ("checkpoint", "partitioner", "orchestrator.job.program", "orchestrator.worker", *modules):
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass  # the segment imports it again and reports the error where it belongs
+        with self._importing:
+            for name in ("checkpoint", "partitioner", "orchestrator.job.program", "orchestrator.worker", *modules):
+                try:
+                    importlib.import_module(name)
+                except ImportError:
+                    pass  # the segment imports it again and reports the error where it belongs
         return time.perf_counter() - t
 
     def where(self) -> dict:
@@ -54,9 +59,9 @@ class HostActor:
         port = self._port.getsockname()[1]
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "port": port, "pid": os.getpid()}
 
-    def start(self, spec_json: str, snapshots=None, executables: dict | None = None) -> None:
+    def start(self, spec_json: str, snapshots=None, executables: bytes | None = None) -> None:
         """`snapshots`: a `keepers.HostSnapshots`, where peer snapshots go and come from;
-        `executables`: compiled ahead by an earlier group (`protocol.CompileAhead`)."""
+        `executables`: compiled ahead by an earlier group (`protocol.CompileAhead`), pickled."""
         spec = SegmentSpec.from_json(spec_json)
         if self._port is not None:
             self._port.close()
@@ -64,9 +69,8 @@ class HostActor:
         args = (spec, snapshots, executables)
         threading.Thread(target=self._run, args=args, daemon=True, name="segment").start()
 
-    def _run(self, spec: SegmentSpec, snapshots, executables: dict | None) -> None:
+    def _run(self, spec: SegmentSpec, snapshots, executables: bytes | None) -> None:
         from ..metrics import RayMetrics
-        from ..worker import run_segment
 
         metrics = RayMetrics()
         peers = snapshots.open() if snapshots is not None else None
@@ -77,6 +81,10 @@ class HostActor:
             self._reports.put(r.to_dict())
 
         try:
+            with self._importing:  # after `warm`, never beside it
+                from ..worker import run_segment
+
+                executables = pickle.loads(executables) if executables else None
             run_segment(spec, report, lambda: self._stop, peers=peers, ahead=self._next_ahead, executables=executables)
         except BaseException:
             self._error = traceback.format_exc()

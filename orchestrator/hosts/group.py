@@ -10,6 +10,7 @@ imported, so a recovery takes actors instead of spawning processes.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Callable, Sequence
 
 import ray
@@ -139,10 +140,12 @@ class HostGroup:
         executables: dict | None = None,
     ) -> None:
         """`snapshots`: one `snapshots.HostSnapshots` per host, or None (no peer snapshots);
-        `executables`: compiled ahead for this group's plan, or None (put in the object store
+        `executables`: compiled ahead for this group's plan, or None (pickled, and put in the object store
         once, for every host). Raises HostsLostError if a host died since the group was made
         (its node killed before Ray noticed, say)."""
-        shared = ray.put(executables) if executables else None
+        # Pickled here and loaded by the segment: unpickled as an argument, its tree definitions
+        # would import the program's libraries while the actor may still be importing them.
+        shared = ray.put(pickle.dumps(executables)) if executables else None
         refs = [
             a.start.remote(spec_for(i, self.coordinator).to_json(), snapshots[i] if snapshots else None, shared)
             for i, a in enumerate(self.actors)
