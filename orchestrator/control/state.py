@@ -98,7 +98,6 @@ class Planning(State):
     recovery: Recovery | None = None
     stalled: int = 0  # segments in a row that ended without a new step
     decision: Resize | Restart | None = None  # the failure policy's, after a host loss
-    unavailable: str | None = None  # why the last start could not place its hosts
 
 
 @dataclasses.dataclass

@@ -153,6 +153,12 @@ class Restore(Report):
     def event_fields(self) -> dict:
         return {k: v for k, v in super().event_fields().items() if k != "reported"}
 
+    def unreported(self, done: int) -> list[dict]:
+        """The step records its metadata kept of steps after `done`, up to the restored one: steps
+        that ran but whose reports never reached the controller."""
+        steps = (self.reported or {}).get("steps", [])
+        return [r for r in steps if done < r["step"] <= self.step]
+
 
 @report
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -146,9 +146,8 @@ class RecorderCallback(ControllerCallback):
         if done == 0:  # a resume: they belong to an earlier run
             self.recorder.resumed(report.step, {**reported, "segment": reported["segment"] + 1})
             return
-        for r in reported["steps"]:
-            if done < r["step"] <= report.step:
-                self.recorder.step(0, reported["segment"] + 1, r, speaker=False)
+        for r in report.unreported(done):
+            self.recorder.step(0, reported["segment"] + 1, r, speaker=False)
 
     def on_event(self, controller, event) -> None:
         e = event.to_dict()

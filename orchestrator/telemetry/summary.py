@@ -151,11 +151,10 @@ class SummaryCallback(ControllerCallback):
         """Steps up to the restored one whose reports never came (a group that went before its
         last steps were polled): the restored step's metadata kept them. On a resume (no step of
         this run yet) they belong to an earlier run."""
-        if done == 0 or not report.reported:
+        if done == 0:
             return
-        for r in report.reported["steps"]:
-            if done < r["step"] <= report.step:
-                self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
+        for r in report.unreported(done):
+            self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
 
     def on_event(self, controller, event) -> None:
         e = self.summary.event(event.kind, step=event.step, at=event.at, seconds=event.seconds, **event.fields)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..protocol import Eval
 from .hooks import Hook, StepDone
 from .laps import Laps
-from .metrics import scalar_metrics
+from .scalars import scalar_metrics
 
 
 class EvalHook(Hook):

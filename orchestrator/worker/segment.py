@@ -27,10 +27,10 @@ from .evaluation import EvalHook
 from .hooks import FaultHook, Hook, StepDone, load_fault_hook
 from .inputs import Prefetch, batches
 from .laps import Deferred, Laps, Reporter
-from .metrics import scalar_metrics
 from .process import compile_once, start_group
 from .restore import Restored, restore_or_init
 from .saves import SaveHook, Saves
+from .scalars import scalar_metrics
 from .snapshots import SnapshotHook, SnapshotPace
 
 

@@ -131,3 +131,10 @@ def test_a_step_is_frozen_and_typed():
     with pytest.raises(dataclasses.FrozenInstanceError):
         step.loss = 0.0
     assert isinstance(from_dict(WIRE[3]), Restore)
+
+
+def test_a_restore_hands_back_only_the_steps_the_controller_has_not_seen():
+    kept = [{"step": s, "loss": 1.0 / s} for s in (11, 12, 13, 14)]
+    restore = Restore(step=13, source="memory", reported={"segment": 0, "steps": kept})
+    assert [r["step"] for r in restore.unreported(11)] == [12, 13]  # 14 is past the restored step
+    assert Restore(step=5, source="disk").unreported(0) == []  # a checkpoint with no records
