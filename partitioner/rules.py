@@ -382,10 +382,12 @@ def _indexed(operand, factors: list[Factor], op_dims: list) -> None:
 def _conv(eqn, in_shapes, out_shapes):
     """conv_general_dilated: the batch passes from input to output, input features are contracted
     with the kernel's, output features pass from kernel to output; spatial (windowed) dims are
-    opaque. Grouped convolutions are opaque throughout."""
+    opaque. Grouped convolutions (a depthwise conv: Mamba's causal conv, MobileNet's) split their
+    features into groups that pass through: the input's feature dim is (group, features in a
+    group), the kernel's and the output's (group, outputs per group). A kernel's gradient counts
+    its groups in the batch instead (`batch_group_count`): the input's batch dim is (group, rest)."""
     p = eqn.params
-    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
-        return opaque(eqn, in_shapes, out_shapes)
+    groups, batch_groups = p["feature_group_count"], p["batch_group_count"]
     ls, rs, os_ = p["dimension_numbers"]
     (lhs, rhs), out = in_shapes, out_shapes[0]
     factors: list[Factor] = []
@@ -395,14 +397,103 @@ def _conv(eqn, in_shapes, out_shapes):
     for dims, shape, spec in ((ld, lhs, ls), (rd, rhs, rs), (od, out, os_)):
         for d in spec[2:]:
             dims[d] = _own((shape[d],), factors, FactorKind.OPAQUE)[0]
-    factors.append(Factor(lhs[ls[0]], FactorKind.PASS))
-    ld[ls[0]] = od[os_[0]] = (len(factors) - 1,)
-    factors.append(Factor(lhs[ls[1]], FactorKind.REDUCE))
-    ld[ls[1]] = rd[rs[1]] = (len(factors) - 1,)
-    factors.append(Factor(rhs[rs[0]], FactorKind.PASS))
-    rd[rs[0]] = od[os_[1]] = (len(factors) - 1,)
-    flops = 2 * math.prod(out) * lhs[ls[1]] * math.prod(rhs[d] for d in rs[2:])
+    g = _factor(factors, groups * batch_groups, FactorKind.PASS)
+    batch = _factor(factors, lhs[ls[0]] // batch_groups, FactorKind.PASS)
+    inner = _factor(factors, lhs[ls[1]] // groups, FactorKind.REDUCE)
+    outs = _factor(factors, rhs[rs[0]] // (groups * batch_groups), FactorKind.PASS)
+    ld[ls[0]] = _dim(factors, g if batch_groups > 1 else None, batch)
+    od[os_[0]] = _dim(factors, None, batch)
+    ld[ls[1]] = _dim(factors, g if groups > 1 else None, inner)
+    rd[rs[1]] = _dim(factors, None, inner)
+    rd[rs[0]] = od[os_[1]] = _dim(factors, g, outs)
+    flops = 2 * math.prod(out) * (lhs[ls[1]] // groups) * math.prod(rhs[d] for d in rs[2:])
     return factors, [tuple(ld), tuple(rd)], [tuple(od)], flops
+
+
+def _factor(factors: list[Factor], size: int, kind: FactorKind) -> int:
+    factors.append(Factor(int(size), kind))
+    return len(factors) - 1
+
+
+def _dim(factors: list[Factor], major: int | None, minor: int) -> tuple[int, ...]:
+    """A dim made of `major` then `minor`, without factors of size 1 (a conv's single group),
+    but never of no factor at all."""
+    kept = tuple(f for f in (major, minor) if f is not None and factors[f].size > 1)
+    return kept or (minor,)
+
+
+def _ragged_dot(eqn, in_shapes, out_shapes):
+    """ragged_dot_general (`jax.lax.ragged_dot`, MoE experts over tokens sorted by expert): as a
+    matmul, except that the ragged dim (the tokens) and the group dim (the experts) are cut by
+    `group_sizes`, which hold counts for the whole array: both opaque. Where the ragged dim is
+    contracted (the experts' weight gradient), the result gains the group dim, first."""
+    rn = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = rn.dot_dimension_numbers
+    lhs, rhs, sizes = in_shapes
+    out = out_shapes[0]
+    factors: list[Factor] = []
+    ld: list[tuple] = [()] * len(lhs)
+    rd: list[tuple] = [()] * len(rhs)
+    group = _factor(factors, sizes[0] if sizes else 1, FactorKind.OPAQUE)
+    for a, b in zip(lb, rb):
+        ld[a] = rd[b] = (_factor(factors, lhs[a], FactorKind.PASS),)
+    for a, b in zip(lc, rc):
+        kind = FactorKind.OPAQUE if a in rn.lhs_ragged_dimensions else FactorKind.REDUCE
+        ld[a] = rd[b] = (_factor(factors, lhs[a], kind),)
+    for d in rn.rhs_group_dimensions:
+        rd[d] = (group,)
+    free_l = [d for d in range(len(lhs)) if not ld[d]]
+    for d in free_l:
+        kind = FactorKind.OPAQUE if d in rn.lhs_ragged_dimensions else FactorKind.PASS
+        ld[d] = (_factor(factors, lhs[d], kind),)
+    free_r = [d for d in range(len(rhs)) if not rd[d]]
+    for d in free_r:
+        rd[d] = (_factor(factors, rhs[d], FactorKind.PASS),)
+    ragged_contracted = any(a in rn.lhs_ragged_dimensions for a in lc)
+    od = (
+        ([(group,)] if ragged_contracted else [])
+        + [ld[a] for a in lb]
+        + [ld[d] for d in free_l]
+        + [rd[d] for d in free_r]
+    )
+    contracted = math.prod(lhs[a] for a in lc)
+    return factors, [tuple(ld), tuple(rd), ((group,),) if sizes else ()], [tuple(od)], 2.0 * math.prod(out) * contracted
+
+
+def _tile(eqn, in_shapes, out_shapes):
+    """tile (`jnp.tile`, K/V heads repeated as whole blocks): a tiled dim of the result is (copy,
+    the operand's dim), the operand's dim minor; an untiled dim passes through."""
+    factors: list[Factor] = []
+    op, res = [], []
+    for n, reps in zip(in_shapes[0], eqn.params["reps"]):
+        inner = _factor(factors, n, FactorKind.PASS)
+        op.append((inner,))
+        res.append(_dim(factors, _factor(factors, reps, FactorKind.PASS), inner) if reps > 1 else (inner,))
+    return factors, [tuple(op)], [tuple(res)], 0.0
+
+
+def _windowed(eqn, in_shapes, out_shapes):
+    """reduce_window (pooling) and its gradients: a dim the window neither spans nor strides nor
+    pads passes through; the others are opaque."""
+    p = eqn.params
+    window = p["window_dimensions"]
+    strides = p.get("window_strides", (1,) * len(window))
+    padding = p.get("padding", ((0, 0),) * len(window))
+    factors: list[Factor] = []
+    res = []
+    for d, n in enumerate(out_shapes[0]):
+        whole = window[d] == 1 and strides[d] == 1 and tuple(padding[d]) == (0, 0)
+        res.append((_factor(factors, n, FactorKind.PASS if whole else FactorKind.OPAQUE),))
+    ops = [
+        tuple(
+            res[d] if factors[res[d][0]].kind is FactorKind.PASS else (_factor(factors, n, FactorKind.OPAQUE),)
+            for d, n in enumerate(s)
+        )
+        if len(s) == len(res)
+        else _own(s, factors, FactorKind.OPAQUE)
+        for s in in_shapes
+    ]
+    return factors, ops, [tuple(res) for _ in out_shapes], math.prod(out_shapes[0]) * math.prod(window)
 
 
 def _split(eqn, in_shapes, out_shapes):
@@ -480,6 +571,14 @@ RULES = {
     "dynamic_slice": same_where_unchanged,
     "dynamic_update_slice": same_where_unchanged,
     "conv_general_dilated": _conv,
+    "ragged_dot_general": _ragged_dot,
+    "tile": _tile,
+    "reduce_window_sum": _windowed,
+    "reduce_window_max": _windowed,
+    "reduce_window_min": _windowed,
+    "reduce_window": _windowed,
+    "select_and_scatter_add": _windowed,
+    "select_and_gather_add": _windowed,
     "split": _split,
     "top_k": _top_k,
     "stack": _stack,

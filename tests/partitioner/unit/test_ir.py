@@ -165,3 +165,66 @@ def test_a_fused_projection_cut_by_split_and_top_k_have_rules():
     top = only(g, "top_k")
     assert top.operand_dims[0][0] == top.result_dims[0][0] == top.result_dims[1][0]
     assert not g.unknown
+
+
+def test_a_depthwise_conv_passes_its_channels_through():
+    # Mamba-2's causal conv: one filter per channel (feature_group_count == channels).
+    conv = lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1,), [(3, 0)], feature_group_count=64, dimension_numbers=("NWC", "WIO", "NWC")
+    )
+    g = capture(conv, f32(4, 32, 64), f32(4, 1, 64))
+    op = only(g, "conv_general_dilated")
+    (xb, _, xc), (_, _, wo) = op.operand_dims
+    rb, _, rc = op.result_dims[0]
+    assert xc == wo == rc and op.factors[xc[0]].kind is FactorKind.PASS and op.factors[xc[0]].size == 64
+    assert xb == rb and g.unknown == {}
+    assert op.flops == 2 * 4 * 32 * 64 * 4
+    # Its kernel's gradient groups the batch instead: the channels still pass through.
+    grads = capture(jax.grad(lambda x, w: conv(x, w).sum(), argnums=(0, 1)), f32(4, 32, 64), f32(4, 1, 64))
+    assert grads.unknown == {}
+    for op in (op for op in grads.ops if op.primitive == "conv_general_dilated"):
+        kinds = {op.factors[f].kind for dims in op.result_dims for d in dims for f in d}
+        assert FactorKind.PASS in kinds
+
+
+def test_ragged_dot_contracts_features_and_keeps_tokens_and_experts_whole():
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    g = capture(jax.lax.ragged_dot, f32(64, 16), f32(8, 16, 32), sizes)
+    op = only(g, "ragged_dot_general")
+    (tokens, k), (experts, k2, n), _ = op.operand_dims
+    assert k == k2 and op.factors[k[0]].kind is FactorKind.REDUCE
+    assert op.factors[tokens[0]].kind is FactorKind.OPAQUE and op.factors[experts[0]].kind is FactorKind.OPAQUE
+    assert op.result_dims[0] == (tokens, n) and op.flops == 2 * 64 * 16 * 32
+    # The weight's gradient contracts the tokens within each expert: the result leads with experts.
+    loss = lambda x, w, s: jax.lax.ragged_dot(x, w, s).sum()
+    grads = capture(jax.grad(loss, argnums=(0, 1)), f32(64, 16), f32(8, 16, 32), sizes)
+    assert grads.unknown == {}
+    dw = [
+        op
+        for op in grads.ops
+        if op.primitive == "ragged_dot_general" and op.results and len(grads.values[op.results[0]].shape) == 3
+    ]
+    assert dw and [grads.values[v].shape for v in dw[0].results] == [(8, 16, 32)]
+
+
+def test_pooling_passes_the_dims_its_window_does_not_span():
+    pool = lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    g = capture(jax.grad(lambda x: pool(x).sum()), f32(4, 8, 8, 16))
+    assert g.unknown == {}
+    op = only(capture(pool, f32(4, 8, 8, 16)), "reduce_window_sum")
+    b, h, w, c = op.result_dims[0]
+    assert [op.factors[f[0]].kind for f in (b, h, w, c)] == [
+        FactorKind.PASS,
+        FactorKind.OPAQUE,
+        FactorKind.OPAQUE,
+        FactorKind.PASS,
+    ]
+
+
+def test_tiled_heads_keep_the_operands_heads_minor():
+    g = capture(lambda k: jnp.tile(k, (1, 1, 4, 1)), f32(2, 8, 2, 16))
+    op = only(g, "tile")
+    ((b, s, heads, d),) = op.operand_dims
+    rb, rs, rheads, rd = op.result_dims[0]
+    assert (b, s, d) == (rb, rs, rd) and g.unknown == {}
+    assert rheads[1:] == heads and [op.factors[f].size for f in rheads] == [4, 2]
