@@ -21,6 +21,7 @@ shift, their outside reads as pairs, their ops as multiplicity of the template's
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -105,6 +106,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     in_copy = np.zeros(len(graph.ops), dtype=bool)
     is_input = set(graph.inputs)
     replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
+    layer_path = _key_paths(keys, input_ids)
     for c in graph.copies:  # each copy reads its `free_ids` where the template reads `free`
         replayed[c.template] = len(c.shifts)
         _pair(
@@ -114,6 +116,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
             c.free_ids.ravel().tolist(),
             np.tile(c.free, len(c.shifts)).tolist(),
             len(c.shifts) + 1,
+            layer_path,
         )
     for r in find_repeats(graph, min_period=MIN_PERIOD):
         copies = r.count - 1 + int(replayed[r.start : r.stop].max())
@@ -125,7 +128,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
                 op_parent[op_k.id] = op_0.id
                 for a, b in zip(op_k.results, op_0.results):
                     parent[a] = b
-                _pair(parent, pairs, is_input, op_k.operands, op_0.operands, copies)
+                _pair(parent, pairs, is_input, op_k.operands, op_0.operands, copies, layer_path)
     if keys is not None and input_ids is not None:
         _merge_mirrors(graph, parent, keys, input_ids)
         _merge_untouched(graph, parent, keys, input_ids)
@@ -157,6 +160,30 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     return _build(graph, parent, op_parent, kept, pairs, replayed)
 
 
+def _key_paths(keys, input_ids) -> dict[int, tuple[str, ...]]:
+    """Input value id -> its key path."""
+    if keys is None or input_ids is None:
+        return {}
+    return {v: tuple(k) for v, k in zip(input_ids, keys)}
+
+
+_MEMBER = re.compile(r"^(.*?)(\d+)$")
+
+
+def _one_layers_leaves(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether two key paths name different leaves of one container: they differ only in the
+    leaf's name or its module's (`attn/q` and `attn/k`, `query/kernel` and `out/kernel`), and
+    not as members of one stack (`layers_0/kernel` and `layers_1/kernel`). Paths that differ
+    higher up (another layer, another optimizer slot) are left to the repeats and mirrors."""
+    if len(a) != len(b) or a == b:
+        return False
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if differ[0] < len(a) - 2:
+        return False
+    members = [(_MEMBER.match(a[i]), _MEMBER.match(b[i])) for i in differ]
+    return not all(x and y and x.group(1) == y.group(1) for x, y in members)
+
+
 def _replayed_parents(graph: Graph) -> list[int]:
     """Union-find parents with every replayed copy's values pointing at the template's."""
     parent = np.arange(len(graph.values), dtype=np.int64)
@@ -168,17 +195,31 @@ def _replayed_parents(graph: Graph) -> list[int]:
 
 
 def _pair(
-    parent: list[int], pairs: list, is_input: set, reads_k: Sequence[int], reads_0: Sequence[int], copies: int
+    parent: list[int],
+    pairs: list,
+    is_input: set,
+    reads_k: Sequence[int],
+    reads_0: Sequence[int],
+    copies: int,
+    layer_path: Mapping[int, tuple] | None = None,
 ) -> None:
     """Copy k reads `reads_k` where copy 0 reads `reads_0`: the same weight (layer k's is layer
-    0's; the first class a weight joins holds), or two values to tie."""
+    0's; the first class a weight joins holds), or two values to tie. Two leaves of one layer
+    (`_one_layers_leaves`) are neither: same-shaped ones (T5's q, k, v and o) get identical
+    optimizer updates, which repeat like layers, and one class would give them one sharding (a
+    column-parallel q would split o by columns). Their updates are priced as the copy's; each
+    keeps its own sharding."""
     for a, b in zip(reads_k, reads_0):
         if a < 0 or b < 0 or a == b:
             continue
-        if a in is_input and b in is_input and parent[a] == a:
-            parent[a] = _find(parent, b)
-        else:
-            pairs.append((a, b, copies))
+        if a in is_input and b in is_input:
+            pa, pb = (layer_path or {}).get(a), (layer_path or {}).get(b)
+            if pa is not None and pb is not None and _one_layers_leaves(pa, pb):
+                continue
+            if parent[a] == a:
+                parent[a] = _find(parent, b)
+                continue
+        pairs.append((a, b, copies))
 
 
 def _find(parent: list[int], v: int) -> int:
