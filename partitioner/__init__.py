@@ -6,7 +6,8 @@
 Plans are data (`Plan.to_json`/`from_json`), computed against an abstract mesh and bound last.
 `plan` searches the program's folded factor graph (`search.py`; its `search` also returns every
 candidate priced); `plan_by_shapes` is the shapes-only baseline (`shapes.py`). `verify(plan, fn,
-*args)` compiles a plan and reports the collectives XLA inserted.
+*args)` compiles a plan and reports the collectives XLA inserted; `verify_many` compiles several
+at once.
 
 Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, factors from
 `rules`), `replay` and `repeats` (repeated layers), `fold` (one copy of each), `propagate`,
@@ -19,7 +20,7 @@ from .plan import Cost, Plan, PlanMismatchError, mesh_text
 from .search import LEVELS, plan
 from .shapes import plan_by_shapes
 from .tactics import TACTICS, Candidate
-from .verify import Collective, Verification, VerifyDevicesError, verify
+from .verify import Collective, Verification, VerifyDevicesError, verify, verify_many
 
 __all__ = [
     "Candidate",
@@ -42,4 +43,5 @@ __all__ = [
     "profile",
     "mesh_text",
     "verify",
+    "verify_many",
 ]

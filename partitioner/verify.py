@@ -9,13 +9,16 @@ uses, beside the plan's own prediction.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from .hardware import Hardware, latency_steps, profile
 from .plan import Plan
@@ -99,14 +102,39 @@ class VerifyDevicesError(RuntimeError):
 
 
 def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=None) -> Verification:
+    return verify_many([(plan, fn, args)], hardware=hardware, devices=devices)[0]
+
+
+# The backend's own optimisation of the code it emits changes nothing `verify` reads (the
+# partitioned HLO, its collectives, FLOPs and buffers) and is most of a CPU compile's time.
+QUICK = {"xla_backend_optimization_level": 0}
+
+
+def verify_many(
+    jobs, *, hardware: str | Hardware = "h100", devices=None, threads: int | None = None
+) -> list[Verification]:
+    """`verify` for each (plan, fn, args) in `jobs`: traced one after another, compiled at once
+    on `threads` threads (default: one per CPU; XLA compiles without holding Python's lock).
+
+    Example:
+        >>> fast, thorough = verify_many([(p, step, args), (q, step, args)])
+    """
     devices = list(devices if devices is not None else jax.devices())
-    if len(devices) < plan.devices_used:
-        raise VerifyDevicesError(
-            f"verifying a plan for {plan.devices_used} devices needs that many, got {len(devices)}; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={plan.devices_used} before importing jax"
-        )
+    for plan, _, _ in jobs:
+        if len(devices) < plan.devices_used:
+            raise VerifyDevicesError(
+                f"verifying a plan for {plan.devices_used} devices needs that many, got {len(devices)}; on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={plan.devices_used} before importing jax"
+            )
     hw = profile(hardware)
-    compiled = plan.jit(fn, args, devices).lower(*args).compile()
+    lowered = [plan.jit(fn, args, devices).lower(*args) for plan, fn, args in jobs]
+    workers = max(1, min(len(lowered), threads or os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        compiled = list(pool.map(lambda low: low.compile(compiler_options=QUICK), lowered))
+    return [_read(c, plan, hw, devices) for c, (plan, _, _) in zip(compiled, jobs)]
+
+
+def _read(compiled, plan: Plan, hw: Hardware, devices) -> Verification:
     collectives = tuple(parse_collectives(compiled.as_text()))
     memory = compiled.memory_analysis()
     peak = (
@@ -305,19 +333,31 @@ def _group_span(line: str) -> int:
 
 
 def _mesh_groups(line: str):
-    """`replica_groups=mesh['a'=2,'b'=4] {'a'}`: (group size, span) over the named mesh axes."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    """`replica_groups=mesh['a'=2,'b'=4] {'a'}`, with the devices in mesh order or as given by
+    `device_ids=([4,2]T(1,0))` (an iota reshaped and transposed): (group size, span) of the first
+    group over the named axes."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=(\S*))?\s*\{([^}]*)\}", line)
     if not m:
         return None
     axes = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-    chosen = set(re.findall(r"'([^']+)'", m.group(2)))
-    size, span = 1, 1
-    for i, (name, n) in enumerate(axes):
-        if name in chosen:
-            stride = math.prod(v for _, v in axes[i + 1 :])
-            size *= n
-            span += (n - 1) * stride
-    return size, span
+    chosen = set(re.findall(r"'([^']+)'", m.group(3)))
+    shape = [n for _, n in axes]
+    ids = _device_ids(m.group(2), math.prod(shape)).reshape(shape)
+    first = ids[tuple(slice(None) if name in chosen else 0 for name, _ in axes)].ravel()
+    return len(first), int(first.max() - first.min() + 1)
+
+
+def _device_ids(given: str | None, count: int) -> np.ndarray:
+    """Device ids in mesh order: `([4,2]T(1,0))` is iota(8) reshaped to [4,2], transposed by
+    (1,0), flattened; absent, 0..count-1."""
+    m = re.match(r"\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", given or "")
+    if not m:
+        return np.arange(count)
+    dims = [int(d) for d in m.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+        ids = ids.transpose([int(d) for d in m.group(2).split(",")])
+    return ids.ravel()
 
 
 def _iota_group_size(line: str) -> int:

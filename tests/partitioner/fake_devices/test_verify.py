@@ -62,6 +62,7 @@ def test_hlo_parsing_handles_async_pairs_tuples_and_iota_groups():
   %ar = (bf16[128]{0}, f32[2,2]{1,0}) all-reduce(bf16[128]{0} %a, f32[2,2]{1,0} %b), replica_groups={{0,2},{1,3}}, to_apply=%add
   %rs = f32[2,8]{1,0} reduce-scatter(f32[8,8]{1,0} %c), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
   %m = f32[4]{0} all-reduce(f32[4]{0} %d), replica_groups=mesh['x'=2,'y'=1,'z'=4] {'x','z'}, to_apply=%add
+  %t = f32[4]{0} all-reduce(f32[4]{0} %e), replica_groups=mesh['a'=4,'b'=1,'c'=2], device_ids=([2,4]T(1,0)) {'a'}, to_apply=%add
 """
     got = [(c.kind, c.bytes, c.group_size, c.span) for c in parse_collectives(hlo)]
     assert got == [
@@ -69,6 +70,8 @@ def test_hlo_parsing_handles_async_pairs_tuples_and_iota_groups():
         ("all-reduce", 128 * 2 + 4 * 4, 2, 3),
         ("reduce-scatter", 2 * 8 * 4, 4, 4),
         ("all-reduce", 16, 8, 8),
+        # devices 0,4,1,5,2,6,3,7 in mesh order: the group over `a` is devices 0-3
+        ("all-reduce", 16, 4, 4),
     ]
 
 
