@@ -107,7 +107,7 @@ def _off_path(graph: Graph) -> set[int]:
         before = len(feeds)
         for op in reversed(graph.ops):
             if (
-                op.primitive == "dot_general"
+                op.primitive in ("dot_general", "ragged_dot_general")
                 or any(r in feeds for r in op.results)
                 or (op.primitive == "tie" and any(v in feeds for v in op.operands))
             ):

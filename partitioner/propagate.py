@@ -13,7 +13,8 @@ weight took an axis over, propagation runs again with that op's result split the
 the start, so the activation and the gradient that flow from it keep that split (as XLA computes
 an FSDP matmul whose weight is larger than its input: it moves the input, not the weight).
 
-The result also lists, per op, the communication the assignment implies: a sharded REDUCE factor
+The result also lists, per op, the communication the assignment implies: a sharded REDUCE factor (or the
+indexed GATHER factor of a gather: each device looks up its own rows)
 leaves partial sums to all-reduce (or to reduce-scatter, when the result is split over the same
 axes); an operand whose given sharding differs from what the op's factors ask must be resharded,
 except a value computed from literals alone, and a scatter-add into such a value (a lookup's
@@ -491,7 +492,10 @@ def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]
     with, per dimension, the factors it carries ((major, its size, `_minor`); None: none)."""
     out = []
     for op in graph.ops:
-        reduces = frozenset(f for f, factor in enumerate(op.factors) if factor.kind is FactorKind.REDUCE)
+        # A gather from a table split along the indexed dim looks up the rows each device holds
+        # and sums the parts (XLA's masked local gather, then an all-reduce): as a reduction.
+        summed = (FactorKind.REDUCE, FactorKind.GATHER) if op.primitive == "gather" else (FactorKind.REDUCE,)
+        reduces = frozenset(f for f, factor in enumerate(op.factors) if factor.kind in summed)
         reads = tuple(
             (v, tuple((fs[0], op.factors[fs[0]].size, _minor(op, fs)) if fs else None for fs in dims))
             for v, dims in zip(op.operands, op.operand_dims)

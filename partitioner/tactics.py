@@ -12,12 +12,14 @@ Tactics, on each mesh:
     megatron  each matmul weight, in program order, split over model on its major output dimension
               (column-parallel) unless the activation it multiplies already arrives split along
               the contracted dimension, then on that one (row-parallel): Megatron's alternation,
-              read from the graph rather than from layer names
+              read from the graph rather than from layer names; a table read by lookup (a gather,
+              a one-hot matmul) larger than what it makes split by rows, vocabulary-parallel
     megatron+fsdp  both, the weights' other dimension over data
     expert    weights whose leading dimension is a batch factor of their matmul (stacked experts)
               split over model on it, the rest replicated (expert x data parallelism)
     expert+megatron  experts so, the other weights as Megatron splits them (and +fsdp)
     refined   the best tensor-parallel candidates, each weight's split chosen by price in turn
+              (a table's by rows or by columns among them)
 On a mesh with seq > 1 every tactic is also sequence (context) parallel: activations are split
 along the sequence, and attention gathers keys and values, as propagation finds.
 Optimizer state follows its parameter (same shape, same path below its container).
@@ -72,6 +74,7 @@ class Inputs:
     argnum: list[int]
     batch_argnums: tuple[int, ...]
     seconds: tuple[float, float] = (0.0, 0.0)  # capture, fold
+    shallow_steps: tuple = ()  # (fn, args) at the two depths traced, where the step was (`depth.Shallow`)
 
     @property
     def graph(self) -> Graph:  # folded: one copy of each repeated layer
@@ -126,7 +129,7 @@ class Inputs:
         return {
             (op.id, k)
             for op in g.ops
-            if op.primitive == "dot_general"
+            if op.primitive in _MATMULS
             for k, v in enumerate(op.operands)
             if v >= 0 and _source(g, self.producer, state, v, carries) is not None
         }
@@ -172,6 +175,7 @@ def read_inputs(fn, args, batch_argnums, shallow_trace: bool = True) -> Inputs:
             argnum.append(i)
             keys.append(tuple(key_name(k) for k in p))
     found = depth.shallow(fn, abstract) if shallow_trace else None
+    steps = found.steps if found is not None else ()
     if found is not None:
         folded, traced, out_shape = found.fold, found.abstract, found.out_shape
         leaves = [found.leaves[i] for i in found.sources]
@@ -186,7 +190,7 @@ def read_inputs(fn, args, batch_argnums, shallow_trace: bool = True) -> Inputs:
     if batch_argnums is None:
         batch_argnums = batch_argnums_of(traced, out_shape)
     seconds = (t1 - t0, time.perf_counter() - t1)
-    return Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds)
+    return Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds, steps)
 
 
 def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[dict[str, int]]:
@@ -407,6 +411,11 @@ class Weight:
     rank: int  # the input's
 
     @property
+    def lookup(self) -> bool:
+        """Read as a table by a gather (an embedding), not by a matmul."""
+        return self.op.primitive == "gather"
+
+    @property
     def stacked(self) -> bool:
         """Read one layer at a time through a scan (the input's leading dimension is the layer)."""
         return 0 not in self.dims and self.rank > len(self.dims)
@@ -465,10 +474,16 @@ def _source(
 
 
 def weights_in_order(inputs: Inputs) -> list[Weight]:
-    """Matmul weights in program order, first use only, read directly or through a cast, a
-    transpose, a reshape or a layer at a time from a scanned stack. A table read by a gather is
-    one only where a matmul reads it too (a tied embedding: its vocabulary split is the logits')."""
+    """Weights in program order, first use only, read directly or through a cast, a transpose, a
+    reshape or a layer at a time from a scanned stack: by a matmul, or as a table by a gather (an
+    embedding read by `table[ids]`, `jnp.take` or `take_along_axis`; `Weight.lookup`)."""
     return inputs.weights
+
+
+# Primitives that read a weight, and how many of their leading operands may be one: a matmul
+# either, a gather only its operand (the table; the indices are data).
+_READS_WEIGHT = {"dot_general": 2, "ragged_dot_general": 2, "gather": 1}
+_MATMULS = ("dot_general", "ragged_dot_general")  # (a ragged one: experts over tokens sorted by expert)
 
 
 def _find_weights(inputs: Inputs) -> list[Weight]:
@@ -476,9 +491,9 @@ def _find_weights(inputs: Inputs) -> list[Weight]:
     state = set(state_values(inputs))
     seen, out = set(), []
     for op in g.ops:
-        if op.primitive != "dot_general":
+        if op.primitive not in _READS_WEIGHT:
             continue
-        for k, v in enumerate(op.operands):
+        for k, v in enumerate(op.operands[: _READS_WEIGHT[op.primitive]]):
             if v < 0 or len(g.values[v].shape) < 2:
                 continue
             found = _source(g, producer, state, v)
@@ -522,6 +537,9 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
             chosen[w] = preset[w]
             spread.add({w: preset[w]})
             continue
+        if weight.lookup or _one_hot(inputs, op.operands[1 - k]):
+            _vocabulary(inputs, weight, t, chosen, spread)
+            continue
         other = op.operands[1 - k]
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         x_sharding = spread.of(other, len(g.values[other].shape)) if other >= 0 else ()
@@ -550,6 +568,32 @@ def _megatron_on(inputs: Inputs, mesh: dict[str, int], preset: Mapping[int, Shar
         chosen[w] = weight.sharding(split_over(shape, dims[0], "model"))
         spread.add({w: chosen[w]})
     return chosen
+
+
+def _vocabulary(inputs: Inputs, weight: Weight, t: int, chosen: dict, spread: Spreading) -> None:
+    """A table read by lookup (a gather, or a matmul against a one-hot) split by rows, over model:
+    Megatron-LM's VocabParallelEmbedding (MaxText shards the vocabulary on its tensor axis too).
+    Each device looks up the rows it holds and an all-reduce of the activations sums the parts,
+    so it pays where the table outweighs the activations it makes (a token embedding, not a
+    learned position table read once per position)."""
+    g, op = inputs.graph, weight.op
+    lookup_kind = FactorKind.GATHER if weight.lookup else FactorKind.REDUCE
+    dims = op.operand_dims[weight.k]
+    shape = weight.shape(g)
+    rows = [d for d, fs in enumerate(dims) if fs and op.factors[fs[0]].kind is lookup_kind and shape[d] % t == 0]
+    if not rows or g.values[weight.value].nbytes <= g.values[op.results[0]].nbytes:
+        return
+    chosen[weight.value] = weight.sharding(split_over(shape, rows[0], "model"))
+    spread.add({weight.value: chosen[weight.value]})
+
+
+def _one_hot(inputs: Inputs, v: int) -> bool:
+    """Whether `v` is a one-hot encoding (`jax.nn.one_hot`: ids compared with an iota, then cast):
+    a matmul against it is a lookup."""
+    op = inputs.producer.get(v)
+    while op is not None and op.primitive in ("convert_element_type", "broadcast_in_dim", "reshape"):
+        op = inputs.producer.get(op.operands[0])
+    return op is not None and op.primitive == "eq"
 
 
 def _lasts(inputs: Inputs, op, factor: int) -> bool:
@@ -583,7 +627,7 @@ def _cut(inputs: Inputs, value: int, dim: int, budget: int = 512) -> bool:
             for k in (k for k, o in enumerate(op.operands) if o == v):
                 fs = op.operand_dims[k][d] if d < len(op.operand_dims[k]) else ()
                 kind = op.factors[fs[0]].kind if fs else None
-                if op.primitive == "dot_general":
+                if op.primitive in _MATMULS:
                     if kind is FactorKind.REDUCE and (op.id, 1 - k) not in weights:
                         return True
                     continue
@@ -650,6 +694,8 @@ def _experts(inputs: Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
     g, t = inputs.graph, mesh["model"]
     out = {}
     for weight in weights_in_order(inputs):
+        if weight.lookup:
+            continue
         op, k = weight.op, weight.k
         w_dims, x_dims = op.operand_dims[k], op.operand_dims[1 - k]
         shared = {f for dims in x_dims for f in dims[:1]}

@@ -136,3 +136,19 @@ def test_a_heads_split_wider_than_the_kv_groups_lands_on_the_query_groups():
     assert ("model",) in p.shardings[logits]
     assert p.shardings[g.outputs[0]] == ((), (), ("model",), ())
     assert not [c for c in p.communication if c.kind == "reshard"], p.communication
+
+
+def test_a_table_split_by_vocabulary_is_priced_as_a_lookup_and_a_sum():
+    # Megatron's VocabParallelEmbedding: each device looks up the rows it holds, an all-reduce
+    # over the vocabulary's axis sums the parts; the gradient needs no sum over it.
+    ids = jax.ShapeDtypeStruct((16, 32), jnp.int32)
+    loss = lambda table, ids: jnp.sum(jnp.tanh(table[ids]))
+    g = capture(lambda table, ids: table - jax.grad(loss)(table, ids), f32(1000, 64), ids)
+    table, tokens = g.inputs
+    p = propagate(g, {tokens: (("data",), ()), table: (("model",), ())}, MESH)
+    gather = producer_of(g, "gather")
+    sums = [c for c in p.communication if c.op == gather.id]
+    assert [(c.kind, c.axes) for c in sums] == [("all-reduce", ("model",))]
+    assert sums[0].bytes == 16 // 2 * 32 * 64 * 4  # the activations on one device
+    assert p.shardings[g.outputs[0]] == (("model",), ())  # the update keeps the table's split
+    assert not [c for c in p.communication if "model" in c.axes and c.op != gather.id]
