@@ -132,6 +132,9 @@ class Shallow:
     leaves: list[int]  # the deeper trace's value ids of `abstract`'s leaves
     sources: list[int]  # per leaf of the real arguments: index of its stand-in among `abstract`'s
     fold_seconds: float  # of the time taken, how much went to folding the two traces
+    # The two shallow steps as traced, (fn, args) at each depth of `fold.depths[:2]`: what the
+    # compiler guard compiles in place of the whole step (`search._guarded`).
+    steps: tuple = ()
 
 
 def shallow(fn, abstract: tuple) -> Shallow | None:
@@ -161,15 +164,16 @@ def _traced_pair(
 ) -> Shallow | None:
     """`shallow` from traces at the two depths in `pair`, or None where they do not fold to the same
     graph or their timelines cannot be matched."""
-    traced, folding, swaps = [], 0.0, {}
+    traced, folding, swaps, steps = [], 0.0, {}, []
     for k in pair:
         args = resized(abstract, found, k)
         if args is None:
             return None
         args, swapped = statics_resized(args, found, depth, k)
         swaps.update(swapped)
+        steps.append((with_free_variables_resized(fn, found, depth, k, abstract, memo), args))
         try:
-            graph = capture(with_free_variables_resized(fn, found, depth, k, abstract, memo), *args, compact=True)
+            graph = capture(steps[-1][0], *args, compact=True)
         except CaptureError:
             return None
         keys = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
@@ -195,7 +199,7 @@ def _traced_pair(
     graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=statics_restored(outputs[1], swaps))
     unmatched = _unmatched_scalars(f1.graph, of_shallow)
     deep = Deepened(f1, f2, graph, mult, to_shallow, unmatched, depths, times, line(f1.original_ops, f2.original_ops))
-    return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, folding)
+    return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, folding, tuple(steps))
 
 
 def _along(at_a, at_b, depths: tuple[int, int, int]):

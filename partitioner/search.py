@@ -32,7 +32,7 @@ from .cost import estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
-from .plan import Plan, mesh_text
+from .plan import Plan, leaf_key, mesh_text
 from .propagate import Sharding
 from .tactics import (
     TACTICS,
@@ -145,15 +145,21 @@ def _search(
         raise PlanInputError(f"no mesh of {devices} devices suits the tactics {sorted(tactics or TACTICS)}")
     ranked = sorted(candidates, key=lambda c: c.cost.total_seconds)
     fitting = [c for c in ranked if c.cost.peak_bytes_per_device <= limit]
+    checked: tuple[str, ...] = ()
+    if not fitting:
+        fitting, said = _fit_by_compiler(fn, args, inputs, ranked, devices, hw, limit, compile_check)
+        checked = (said,) if fitting else ()
     if not fitting:
         least = min(candidates, key=lambda c: c.cost.peak_bytes_per_device)
         raise PlanMemoryError(
             f"no plan fits {limit / 2**30:.2f} GiB per device: the smallest needs {least.cost.peak_bytes_per_device / 2**30:.2f} GiB "
             f"({least.tactic} on {dict(least.mesh)}), {(least.cost.peak_bytes_per_device - limit) / 2**30:.2f} GiB over. "
+            + (f"{said}. " if said else "")
             + _remat_hint(inputs, least, hw, limit)
             + "Use more devices, a smaller batch, or a larger memory_limit"
         )
     best, guard = _guarded(fn, args, inputs, fitting, devices, hw, limit, compile_check)
+    guard = checked + guard
     t2 = time.perf_counter()
     traced = inputs.fold.depths if isinstance(inputs.fold, Deepened) else None
     timing = (
@@ -187,6 +193,45 @@ def _remat_hint(inputs: Inputs, least: Candidate, hw: Hardware, limit: int) -> s
     )
 
 
+NEAR_LIMIT = 1.05  # a plan predicted within this of the memory limit is compiled before it is refused
+MEMORY_CHECKS = 2  # near plans compiled for their memory: the fastest and the smallest
+
+
+def _fit_by_compiler(fn, args, inputs: Inputs, ranked: list[Candidate], devices: int, hw: Hardware, limit: int, check):
+    """Where no plan fits by the cost model's peak but some are predicted within NEAR_LIMIT of
+    the limit, the prediction is the model's word against the compiler's: the fastest and the
+    smallest of those are compiled (on this process's devices; fake CPU devices do) and XLA's
+    memory analysis decides. On CPU it is read less what only the CPU backend adds (copies of
+    transposed matmul operands, `Hardware.copies_transposed_lhs`), as the model predicts for both.
+    Returns those that fit, best first, and what was found, for the notes or the error."""
+    near = [c for c in ranked if c.cost.peak_bytes_per_device <= NEAR_LIMIT * limit]
+    if not near or check is False:
+        return [], ""
+    picked = _same_plans_once([near[0], min(near, key=lambda c: c.cost.peak_bytes_per_device)])[:MEMORY_CHECKS]
+    need = max(math.prod(c.mesh.values()) for c in picked)
+    if len(jax.devices()) < need:
+        return [], f"XLA's memory analysis not consulted: {len(jax.devices())} device(s) here, the plans use {need}"
+    from .verify import verify_many  # (compiles: only for a near miss)
+
+    plans = [_to_plan(inputs, c, args, devices, 0.0, [c], limit, hw) for c in picked]
+    found = verify_many([(p, fn, args) for p in plans], hardware=hw)
+    peaks = [_target_peak(v, p, c) for v, p, c in zip(found, plans, picked)]
+    said = "XLA's memory analysis of the compiled program: " + ", ".join(
+        f"{c.tactic} on {mesh_text(c.mesh)} {peak / 2**30:.3f} GiB (predicted {c.cost.peak_bytes_per_device / 2**30:.3f})"
+        for peak, c in zip(peaks, picked)
+    )
+    fits = [c for peak, c in zip(peaks, picked) if peak <= limit]
+    return fits, said + (f"; {fits[0].tactic} fits {limit / 2**30:.3f} GiB by it" if fits else "")
+
+
+def _target_peak(v, plan: Plan, c: Candidate) -> int:
+    """A compiled peak as the profile's hardware would have it: XLA:CPU's, less what the model
+    predicts the CPU backend alone adds."""
+    if jax.devices()[0].platform != "cpu" or plan.cost.cpu_peak_bytes_per_device is None:
+        return v.peak_bytes
+    return v.peak_bytes - max(0, plan.cost.cpu_peak_bytes_per_device - c.cost.peak_bytes_per_device)
+
+
 CLOSE = 1.25  # candidates predicted within this factor of the best are worth compiling to tell apart
 
 
@@ -196,9 +241,9 @@ GUARD_TOP = 3  # candidates compiled by the guard
 def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, hw: Hardware, limit: int, check):
     """The compiler as a guard (`compile_check`): where the best candidates are predicted within
     CLOSE of each other, or some primitive was planned without a rule, the best GUARD_TOP (one
-    per tactic and mesh) are compiled on this process's devices and the one XLA makes cheapest,
-    priced by `verify` with the same hardware profile, is chosen. Skipped, and said why, where
-    there are fewer devices here than the plans use."""
+    per tactic and mesh, and one per distinct plan) are compiled on this process's devices and
+    the one XLA makes cheapest, priced by `verify` with the same hardware profile, is chosen.
+    Skipped, and said why, where there are fewer devices here than the plans use."""
     best = fitting[0]
     unknown = sorted(inputs.fold.graph.unknown.items())
     ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
@@ -210,7 +255,7 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
         if pool
     )
     top = [c for pool in pools for c in _distinct(pool)[:GUARD_TOP]]
-    top = sorted({id(c): c for c in top}.values(), key=lambda c: c.cost.total_seconds)
+    top = _same_plans_once(sorted({id(c): c for c in top}.values(), key=lambda c: c.cost.total_seconds))
     differ = bool(pools[1]) and pools[1][0] is not best
     if check is False or (check == "auto" and not (close or unknown or differ)) or len(top) < 2:
         return best, tuple(n for n in (ruleless,) if n)
@@ -219,17 +264,40 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
     if here < need:
         why = f"compile check skipped: {here} device(s) in this process, the candidates use {need}"
         return best, tuple(n for n in (ruleless, why) if n)
-    from .verify import verify  # (compiles: only when the guard runs)
-
-    priced = []
-    for c in top:
-        v = verify(_to_plan(inputs, c, args, devices, 0.0, [c], limit, hw), fn, *args, hardware=hw)
-        priced.append((v.compute_seconds + v.communication_seconds, c))
+    plans = [_to_plan(inputs, c, args, devices, 0.0, [c], limit, hw) for c in top]
+    seconds, how = _compiled_seconds(fn, args, inputs, plans, hw)
+    priced = list(zip(seconds, top))
     chosen = min(priced, key=lambda t: t[0])[1]
     said = ", ".join(f"{c.tactic} on {mesh_text(c.mesh)} {sec * 1e3:.3f} ms" for sec, c in priced)
     why = "close predictions" if close else "primitives without a rule" if unknown else "the fast level's best differs"
-    note = f"compiled the top {len(priced)} ({why}): {said}; chose {chosen.tactic} on {mesh_text(chosen.mesh)}"
+    note = f"compiled the top {len(priced)} ({why}{how}): {said}; chose {chosen.tactic} on {mesh_text(chosen.mesh)}"
     return chosen, tuple(n for n in (ruleless, note) if n)
+
+
+def _compiled_seconds(fn, args, inputs: Inputs, plans: list[Plan], hw: Hardware) -> tuple[list[float], str]:
+    """Each plan's seconds as XLA compiles it (`verify`), all compiled at once. A deep stack of
+    layers is compiled at the two depths depth planning traced, and priced along the line through
+    them (what a layer adds is the same at every depth): the guard's cost does not grow with the
+    model. Returns the seconds and how they were found, for the notes."""
+    from .verify import verify_many  # (compiles: only when the guard runs)
+
+    total = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
+    if not inputs.shallow_steps:
+        return [total(v) for v in verify_many([(p, fn, args) for p in plans], hardware=hw)], ""
+    (a, b, depth) = inputs.fold.depths
+    jobs = [(p, step, step_args) for step, step_args in inputs.shallow_steps for p in plans]
+    found = [total(v) for v in verify_many(jobs, hardware=hw)]
+    at_a, at_b = found[: len(plans)], found[len(plans) :]
+    return [y + (depth - b) * (y - x) / (b - a) for x, y in zip(at_a, at_b)], f"; at {a} and {b} of {depth} layers"
+
+
+def _same_plans_once(ranked: list[Candidate]) -> list[Candidate]:
+    """The first of candidates that annotate alike (a refinement that kept its start): one plan,
+    compiled once."""
+    out: dict[tuple, Candidate] = {}
+    for c in ranked:
+        out.setdefault((tuple(c.mesh.items()), tuple(sorted(c.annotations.items()))), c)
+    return list(out.values())
 
 
 def _distinct(ranked: list[Candidate]) -> list[Candidate]:
@@ -257,7 +325,7 @@ def _to_plan(
     it = iter(specs)
     in_specs = tuple(jax.tree.map(lambda _: next(it), a) for a in args)
     outs = iter(_spec(best.propagation.of(v, len(g.values[v].shape)) if v >= 0 else ()) for v in g.outputs)
-    out_specs = jax.tree.map(lambda _: next(outs), g.out_shape)
+    out_specs = _carried(jax.tree.map(lambda _: next(outs), g.out_shape), g.out_shape, in_specs, args)
     c = best.cost
     cpu_peak = (
         c.peak_bytes_per_device
@@ -296,6 +364,36 @@ def _to_plan(
         notes=notes,
         tactic=best.tactic,
     )
+
+
+def _carried(out_specs, out_shape, in_specs: tuple, args) -> object:
+    """Output leaves that are an argument's next value (a step's new state: output i's leaf at
+    the path and shape of argument i's) take that argument's spec, as the step is run
+    (`Plan.jit(carry=...)`): the state stays where it is from one step to the next."""
+    if not isinstance(out_shape, (tuple, list)):
+        return out_specs
+    specs = list(out_specs)
+    for i, (out, spec) in enumerate(zip(out_shape, specs)):
+        if i >= len(args):
+            break
+        given = {
+            leaf_key(p): (x.shape, s)
+            for (p, x), s in zip(_leaves(args[i]), jax.tree.leaves(in_specs[i], is_leaf=_is_spec))
+        }
+        paths = [leaf_key(p) for p, _ in _leaves(out)]
+        shapes = [getattr(x, "shape", None) for _, x in _leaves(out)]
+        mine = jax.tree.leaves(spec, is_leaf=_is_spec)
+        kept = [given[k][1] if k in given and given[k][0] == shape else s for k, shape, s in zip(paths, shapes, mine)]
+        specs[i] = jax.tree.unflatten(jax.tree.structure(spec, is_leaf=_is_spec), kept)
+    return type(out_specs)(specs) if isinstance(out_specs, tuple) else specs
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def _unused(inputs: Inputs, devices: int, best: Candidate, ranked: list[Candidate], limit: int) -> str:

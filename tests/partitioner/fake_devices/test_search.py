@@ -3,6 +3,7 @@ parallelism where they are small, memory limits respected, experts considered; t
 compiled on 8 fake devices does what the cost model predicted."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -294,3 +295,38 @@ def test_kv_heads_fewer_than_the_model_axis_stay_whole_and_stacked_selectors_are
     assert "kv" not in four, four
     for specs in (two, four):
         assert specs["q"] == (("model",), (), ()) and specs["o"] == (("model",), (), ()), specs
+
+
+@pytest.fixture(scope="module")
+def scanned_llama():
+    from tests.corpus import maxtext_scan
+
+    small = dict(vocab=8192, embed=512, heads=8, head_dim=64, mlp=2048, seq=512, batch=8)
+    return maxtext_scan.build(layers=4, c=small)
+
+
+def test_a_near_miss_is_decided_by_xlas_memory_analysis(scanned_llama, devices8):
+    # Just under the smallest predicted peak of each tactic's plans, those predicted within a
+    # few percent of the limit are compiled and XLA's memory analysis decides: a plan it says
+    # fits is chosen and the notes say so; a refusal gives both figures.
+    fn, args = scanned_llama
+    outcomes = {}
+    for tactic in ("megatron", "dp"):
+        _, ranked = search(fn, *args, devices=8, hardware="cpu", compile_check=False, tactics={tactic})
+        smallest = min(c.cost.peak_bytes_per_device for c in ranked)
+        limit = int(0.98 * smallest)
+        try:
+            plan, _ = search(fn, *args, devices=8, hardware="cpu", memory_limit=limit, tactics={tactic})
+        except PlanMemoryError as e:
+            found = re.search(
+                r"XLA's memory analysis of the compiled program: .* ([\d.]+) GiB \(predicted ([\d.]+)\)", str(e)
+            )
+            assert found, str(e)
+            assert float(found.group(1)) * 2**30 > limit * 0.999 and float(found.group(2)) * 2**30 > limit
+            outcomes[tactic] = "refused"
+            continue
+        assert plan.cost.peak_bytes_per_device > limit  # over the limit by the cost model ...
+        assert verify(plan, fn, *args, hardware="cpu").peak_bytes <= limit  # ... within it by XLA
+        assert any(n.startswith("XLA's memory analysis") and "fits" in n for n in plan.notes), plan.notes
+        outcomes[tactic] = "planned"
+    assert "planned" in outcomes.values(), outcomes
