@@ -240,8 +240,9 @@ GUARD_TOP = 3  # candidates compiled by the guard
 
 def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, hw: Hardware, limit: int, check):
     """The compiler as a guard (`compile_check`): where the best candidates are predicted within
-    CLOSE of each other, or some primitive was planned without a rule, the best GUARD_TOP (one
-    per tactic and mesh, and one per distinct plan) are compiled on this process's devices and
+    CLOSE of each other, or some primitive was planned without a rule, the best GUARD_TOP of
+    those within CLOSE (one per tactic and mesh, and one per distinct plan) are compiled on this
+    process's devices and
     the one XLA makes cheapest, priced by `verify` with the same hardware profile, is chosen.
     Skipped, and said why, where there are fewer devices here than the plans use."""
     best = fitting[0]
@@ -254,7 +255,12 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
         for pool in pools
         if pool
     )
-    top = [c for pool in pools for c in _distinct(pool)[:GUARD_TOP]]
+    top = [
+        c
+        for pool in pools
+        for c in _distinct(pool)[:GUARD_TOP]
+        if c.cost.total_seconds <= CLOSE * pool[0].cost.total_seconds
+    ]
     top = _same_plans_once(sorted({id(c): c for c in top}.values(), key=lambda c: c.cost.total_seconds))
     differ = bool(pools[1]) and pools[1][0] is not best
     if check is False or (check == "auto" and not (close or unknown or differ)) or len(top) < 2:
@@ -283,10 +289,10 @@ def _compiled_seconds(fn, args, inputs: Inputs, plans: list[Plan], hw: Hardware)
 
     total = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
     if not inputs.shallow_steps:
-        return [total(v) for v in verify_many([(p, fn, args) for p in plans], hardware=hw)], ""
+        return [total(v) for v in verify_many([(p, fn, args) for p in plans], hardware=hw, ranking=True)], ""
     (a, b, depth) = inputs.fold.depths
     jobs = [(p, step, step_args) for step, step_args in inputs.shallow_steps for p in plans]
-    found = [total(v) for v in verify_many(jobs, hardware=hw)]
+    found = [total(v) for v in verify_many(jobs, hardware=hw, ranking=True)]
     at_a, at_b = found[: len(plans)], found[len(plans) :]
     return [y + (depth - b) * (y - x) / (b - a) for x, y in zip(at_a, at_b)], f"; at {a} and {b} of {depth} layers"
 
