@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/corpus.py tables [NAME ...]   # plans against the experts' (8 devices)
     .venv/bin/python benchmarks/corpus.py depth [NAME ...]    # plan time against depth (1,024 devices)
     .venv/bin/python benchmarks/corpus.py large               # 96 layers, 2M tokens, 1,024 H100s
+    .venv/bin/python benchmarks/corpus.py plantime [NAME ...] # fast plan on 8 devices, guard included
 
 `tables`: for each model, the fast and thorough plans and each expert plan, compiled on 8 fake CPU
 devices and priced from what XLA produced with the h100 profile (`partitioner.verify`), with the
@@ -12,6 +13,9 @@ layers, median of 3 runs each, alternating, in this process; the guard is off (1
 not here to compile on). Beside it, one 96-layer search with `shallow_trace=False` (the whole
 step traced: the baseline), whether its plan equals the shallow one's, and the largest relative
 difference between their predicted costs.
+`plantime`: `plan(..., devices=8, level="fast")` wall time with the compiler guard, each run in a
+fresh process (so nothing compiled before is reused), median of 3, with where the time went and
+what the guard compiled.
 `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
 under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
 used, peak against the limit, plan time.
@@ -19,6 +23,7 @@ used, peak against the limit, plan time.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -86,6 +91,32 @@ def _specs(plan) -> list:
     return [jax.tree.leaves(plan.in_specs, is_leaf=spec), jax.tree.leaves(plan.out_specs, is_leaf=spec)]
 
 
+def plantime(names) -> None:
+    import subprocess
+
+    from tests.corpus import CORPUS
+
+    code = (
+        "import sys, time, json; sys.path.insert(0, {root!r})\n"
+        "from tests.corpus import load\nfrom partitioner import plan\n"
+        "m, o = load({name!r}); fn, args = m.build(layers=2, **o)\n"
+        "t = time.perf_counter(); p = plan(fn, *args, devices=8, hardware='h100', level='fast')\n"
+        "print(json.dumps([time.perf_counter() - t, list(p.notes)]))"
+    )
+    print("| model | fast plan, 8 devices (s), median of 3 | the guard | where the time went |")
+    print("|---|---|---|---|")
+    for name in names or CORPUS:
+        runs = []
+        for _ in range(3):
+            out = subprocess.run(
+                [sys.executable, "-c", code.format(root=ROOT, name=name)], capture_output=True, text=True, check=True
+            )
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        seconds, notes = sorted(runs)[1]
+        guard = next((n.split(":")[0] for n in notes if n.startswith(("compiled the top", "compile check"))), "not run")
+        print(f"| {name} | {seconds:.2f} | {guard} | {notes[-1].removeprefix('time: ')} |", flush=True)
+
+
 def large() -> None:
     from partitioner import plan, profile
     from tests.corpus import llama_gqa
@@ -108,4 +139,5 @@ if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]
-    {"tables": lambda: tables(names), "depth": lambda: depth(names), "large": large}[what]()
+    jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names)}
+    {**jobs, "large": large}[what]()

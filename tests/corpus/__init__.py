@@ -26,6 +26,12 @@ CORPUS = {
     "hf-gpt2": ("hf_gpt2", {}),
     "nnx-scan-llama": ("nnx_scan", {}),
     "equinox-scan-llama": ("equinox_scan", {}),
+    "mamba2-ssd": ("mamba2", {}),
+    "unet-diffusion": ("unet", {}),
+    "roberta-mlm": ("roberta_mlm", {}),
+    "deepseek-mla-sort": ("deepseek", {"form": "sort"}),
+    "deepseek-mla-ragged": ("deepseek", {"form": "ragged"}),
+    "whisper": ("whisper", {}),
 }
 
 # Written as a Python loop over layers (the folding check of plan time against depth applies).
@@ -41,6 +47,9 @@ LOOPED = (
     "custom-vjp-gpt",
     "gemma",
     "hf-gpt2",
+    "mamba2-ssd",
+    "deepseek-mla-sort",
+    "deepseek-mla-ragged",
 )
 SCANNED = ("linen-scan-gpt", "maxtext-scan", "nnx-scan-llama", "equinox-scan-llama")
 

@@ -104,17 +104,14 @@ def _row(label, plan, v, searched: bool) -> Row:
 
 def compare(module, layers: int = 2, levels=("fast", "thorough"), **kwargs) -> list[Row]:
     """Searched plans (each level) and the module's experts, compiled on 8 devices, h100 profile."""
-    from partitioner import plan, verify
+    from partitioner import plan, verify_many
 
     fn, args = module.build(layers=layers, **kwargs)
-    rows = []
-    for level in levels:
-        p = plan(fn, *args, devices=8, hardware="h100", level=level)
-        rows.append(_row(level, p, verify(p, fn, *args, hardware="h100"), True))
-    for expert in module.EXPERTS:
-        p = expert_plan(expert, fn, args)
-        rows.append(_row(expert.name, p, verify(p, fn, *args, hardware="h100"), False))
-    return rows
+    searched = [(level, plan(fn, *args, devices=8, hardware="h100", level=level)) for level in levels]
+    experts = [(expert.name, expert_plan(expert, fn, args)) for expert in module.EXPERTS]
+    found = verify_many([(p, fn, args) for _, p in searched + experts], hardware="h100")
+    labelled = [(label, p, True) for label, p in searched] + [(label, p, False) for label, p in experts]
+    return [_row(label, p, v, mine) for (label, p, mine), v in zip(labelled, found)]
 
 
 def table(rows: list[Row]) -> str:

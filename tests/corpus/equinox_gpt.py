@@ -86,6 +86,8 @@ def tensor_parallel(path, shape):
         return ("model", None)
     if path.endswith("fc/bias"):
         return ("model",)
+    if path.endswith("embed/weight"):  # vocabulary-parallel
+        return ("model", None)
     if path.endswith(("attn/output_proj/weight", "proj/weight")) or path.endswith("head/weight"):
         return ("model", None) if path.endswith("head/weight") else (None, "model")
     return None

@@ -135,6 +135,8 @@ def tensor_parallel(path, shape):
         return lead + ("model", None)
     if path.endswith(("o/weight", "down/weight")):
         return lead + (None, "model")
+    if path.endswith("embed/weight"):  # vocabulary-parallel
+        return ("model", None)
     return None
 
 

@@ -102,6 +102,8 @@ def tensor_parallel(path, shape):
         return (None, "model", None)
     if path.endswith("lm_head/kernel"):
         return (None, "model")
+    if path.endswith("wte/embedding"):  # vocabulary-parallel
+        return ("model", None)
     return None
 
 

@@ -127,7 +127,7 @@ def tensor_parallel(path, shape):
     name = path.split("/")[-1]
     if name in ("wq", "wk", "wv", "w_gate", "w_up", "lm_head"):
         return (None, "model")
-    if name in ("wo", "w_down"):
+    if name in ("wo", "w_down", "embed"):  # the embedding vocabulary-parallel, as Megatron-LM
         return ("model", None)
     return None
 

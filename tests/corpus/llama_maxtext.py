@@ -131,7 +131,7 @@ def tensor_parallel(path, shape):
         return ("model", None, None)
     if path.endswith(("wi_0/kernel", "wi_1/kernel")):
         return (None, "model")
-    if path.endswith("wo/kernel"):
+    if path.endswith(("wo/kernel", "token_embedder/embedding")):  # MaxText: `vocab` on tensor
         return ("model", None)
     if path.endswith("logits_dense/kernel"):
         return (None, "model")

@@ -100,7 +100,7 @@ def tensor_parallel(path, shape):
     name = path.split("/")[-1]
     if name in ("wqkv", "head") or path.endswith("shared/w_in"):
         return (None, "model")
-    if name == "wo" or path.endswith("shared/w_out"):
+    if name in ("wo", "embed") or path.endswith("shared/w_out"):  # the embedding vocabulary-parallel
         return ("model", None)
     if path.endswith(("experts/w_in", "experts/w_gate")):
         return (None, None, "model")

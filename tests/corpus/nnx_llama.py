@@ -112,7 +112,7 @@ def tensor_parallel(path, shape):
         return ("model", None, None)
     if path.endswith(("gate/kernel", "up/kernel", "head/kernel")):
         return (None, "model")
-    if path.endswith("down/kernel"):
+    if path.endswith(("down/kernel", "embed/embedding")):  # the embedding vocabulary-parallel
         return ("model", None)
     return None
 

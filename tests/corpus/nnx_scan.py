@@ -118,6 +118,8 @@ def tensor_parallel(path, shape):
         return lead + (None, "model")
     if path.endswith(("wo/kernel", "w2/kernel")):
         return lead + ("model", None)
+    if path.endswith("embed/embedding"):  # vocabulary-parallel
+        return ("model", None)
     return None
 
 

@@ -122,7 +122,7 @@ def tensor_parallel(path, shape):
     name = path.split("/")[-1]
     if name in ("q", "k", "v", "wi", "lm_head"):
         return (None, "model")
-    if name in ("o", "wo"):
+    if name in ("o", "wo", "shared"):  # the shared embedding vocabulary-parallel (t5x: vocab on model)
         return ("model", None)
     if name == "rel_bias":
         return (None, "model")
