@@ -106,7 +106,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     in_copy = np.zeros(len(graph.ops), dtype=bool)
     is_input = set(graph.inputs)
     replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
-    layer_path = _key_paths(keys, input_ids)
+    paths = _key_paths(keys, input_ids)
     for c in graph.copies:  # each copy reads its `free_ids` where the template reads `free`
         replayed[c.template] = len(c.shifts)
         _pair(
@@ -116,7 +116,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
             c.free_ids.ravel().tolist(),
             np.tile(c.free, len(c.shifts)).tolist(),
             len(c.shifts) + 1,
-            layer_path,
+            paths,
         )
     for r in find_repeats(graph, min_period=MIN_PERIOD):
         copies = r.count - 1 + int(replayed[r.start : r.stop].max())
@@ -128,7 +128,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
                 op_parent[op_k.id] = op_0.id
                 for a, b in zip(op_k.results, op_0.results):
                     parent[a] = b
-                _pair(parent, pairs, is_input, op_k.operands, op_0.operands, copies, layer_path)
+                _pair(parent, pairs, is_input, op_k.operands, op_0.operands, copies, paths)
     if keys is not None and input_ids is not None:
         _merge_mirrors(graph, parent, keys, input_ids)
         _merge_untouched(graph, parent, keys, input_ids)
@@ -201,7 +201,7 @@ def _pair(
     reads_k: Sequence[int],
     reads_0: Sequence[int],
     copies: int,
-    layer_path: Mapping[int, tuple] | None = None,
+    paths: Mapping[int, tuple] | None = None,
 ) -> None:
     """Copy k reads `reads_k` where copy 0 reads `reads_0`: the same weight (layer k's is layer
     0's; the first class a weight joins holds), or two values to tie. Two leaves of one layer
@@ -213,7 +213,7 @@ def _pair(
         if a < 0 or b < 0 or a == b:
             continue
         if a in is_input and b in is_input:
-            pa, pb = (layer_path or {}).get(a), (layer_path or {}).get(b)
+            pa, pb = (paths or {}).get(a), (paths or {}).get(b)
             if pa is not None and pb is not None and _one_layers_leaves(pa, pb):
                 continue
             if parent[a] == a:

@@ -32,7 +32,7 @@ from .cost import estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
-from .plan import Plan, leaf_key, mesh_text
+from .plan import Plan, _is_spec, leaf_key, mesh_text
 from .propagate import Sharding
 from .tactics import (
     TACTICS,
@@ -242,9 +242,9 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
     """The compiler as a guard (`compile_check`): where the best candidates are predicted within
     CLOSE of each other, or some primitive was planned without a rule, the best GUARD_TOP of
     those within CLOSE (one per tactic and mesh, and one per distinct plan) are compiled on this
-    process's devices and
-    the one XLA makes cheapest, priced by `verify` with the same hardware profile, is chosen.
-    Skipped, and said why, where there are fewer devices here than the plans use."""
+    process's devices and the one XLA makes cheapest, priced by `verify` with the same hardware
+    profile, is chosen. Skipped, and said why, where there are fewer devices here than the plans
+    use."""
     best = fitting[0]
     unknown = sorted(inputs.fold.graph.unknown.items())
     ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
@@ -391,15 +391,13 @@ def _carried(out_specs, out_shape, in_specs: tuple, args) -> object:
         mine = jax.tree.leaves(spec, is_leaf=_is_spec)
         kept = [given[k][1] if k in given and given[k][0] == shape else s for k, shape, s in zip(paths, shapes, mine)]
         specs[i] = jax.tree.unflatten(jax.tree.structure(spec, is_leaf=_is_spec), kept)
-    return type(out_specs)(specs) if isinstance(out_specs, tuple) else specs
+    if hasattr(out_specs, "_fields"):  # a NamedTuple of outputs keeps its type (and its key paths)
+        return type(out_specs)(*specs)
+    return type(out_specs)(specs)
 
 
 def _leaves(tree) -> list:
     return jax.tree_util.tree_flatten_with_path(tree)[0]
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
 
 
 def _unused(inputs: Inputs, devices: int, best: Candidate, ranked: list[Candidate], limit: int) -> str:
