@@ -137,16 +137,17 @@ def verify_many(
     workers = max(1, min(len(jobs), threads or os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         # Each compiles while the next is traced.
-        futures = [
-            pool.submit(plan.jit(fn, args, devices).lower(*args).compile, compiler_options=options)
-            for plan, fn, args in jobs
-        ]
+        lowered, futures = [], []
+        for plan, fn, args in jobs:
+            lowered.append(plan.jit(fn, args, devices).lower(*args))
+            futures.append(pool.submit(lowered[-1].compile, compiler_options=options))
+        widths = [program_widths(low.as_text(dialect="hlo", debug_info=True)) for low in lowered]
         compiled = [f.result() for f in futures]
-    return [_read(c, plan, hw, devices) for c, (plan, _, _) in zip(compiled, jobs)]
+    return [_read(c, plan, hw, devices, w) for c, w, (plan, _, _) in zip(compiled, widths, jobs)]
 
 
-def _read(compiled, plan: Plan, hw: Hardware, devices) -> Verification:
-    collectives = tuple(parse_collectives(compiled.as_text()))
+def _read(compiled, plan: Plan, hw: Hardware, devices, widths: Mapping[str, int]) -> Verification:
+    collectives = tuple(parse_collectives(compiled.as_text(), widths))
     memory = compiled.memory_analysis()
     peak = (
         memory.argument_size_in_bytes
@@ -161,9 +162,15 @@ def _read(compiled, plan: Plan, hw: Hardware, devices) -> Verification:
     return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost, predicted_peak)
 
 
-def parse_collectives(hlo: str) -> list[Collective]:
+def parse_collectives(hlo: str, widths: Mapping[str, int] | None = None) -> list[Collective]:
     """Collectives in optimized HLO text; an async pair (`-start`/`-done`) counts once, and one
     in a while loop's body (a scanned layer) counts the loop's known trip count times.
+
+    `widths` (`program_widths` of the program before optimisation): the CPU backend has no 16-bit
+    float arithmetic and no 16-bit all-reduce, so it widens bfloat16 values and their collectives
+    to float32; a GPU or TPU sends them as the program made them. An element of a collective
+    made by ops (its metadata's op_name) whose every result the program made 16-bit wide is
+    counted at that width.
 
     An all-reduce whose every reader takes one group member's 1/p slice of it is a reduce-scatter
     and is counted as one (its result being that slice): XLA's GPU and TPU pipelines rewrite the
@@ -181,7 +188,12 @@ def parse_collectives(hlo: str) -> list[Collective]:
         arrays = _ARRAY.findall(shape)
         if m.group("start") and m.group("kind") in ("all-gather", "collective-permute") and len(arrays) > 1:
             arrays = arrays[len(arrays) // 2 :]  # (operands, results): the results
-        sizes = [_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in arrays]
+        names = _op_names(line, len(arrays))
+        sizes = [
+            min(_DTYPE_BYTES.get(dt, 4), (widths or {}).get(name, 8) if dt in _FLOATS else 8)
+            * math.prod(int(d) for d in dims.split(",") if d)
+            for (dt, dims), name in zip(arrays, names)
+        ]
         p, span, count, text = _group_size(line), _group_span(line), runs.get(computation, 1), line.strip()[:160]
         sliced = scattered.get(_name(line), set()) if m.group("kind") == "all-reduce" and p > 1 else set()
         whole = sum(n for i, n in enumerate(sizes) if i not in sliced)
@@ -193,6 +205,37 @@ def parse_collectives(hlo: str) -> list[Collective]:
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FLOATS = ("bf16", "f16", "f32", "f64")
+
+
+def program_widths(hlo: str) -> dict[str, int]:
+    """op_name -> the widest float element, in bytes, of the results of the instructions that
+    name (HLO text with metadata, `Lowered.as_text(dialect="hlo", debug_info=True)`)."""
+    out: dict[str, int] = {}
+    for line in hlo.splitlines():
+        name = _OP_NAME.search(line)
+        if not name or " = " not in line:
+            continue
+        result = line.split(" = ", 1)[1].split(" ", 1)[0]
+        floats = [_DTYPE_BYTES[dt] for dt, _ in _ARRAY.findall(result) if dt in _FLOATS]
+        if floats:
+            out[name.group(1)] = max(out.get(name.group(1), 0), *floats)
+    return out
+
+
+def _op_names(line: str, count: int) -> list[str | None]:
+    """The op_name of each of a collective's `count` elements: XLA joins those of collectives it
+    combines as `prefix/(a:b:...)`, one per element, in order. None where they cannot be told."""
+    m = _OP_NAME.search(line)
+    if not m:
+        return [None] * count
+    name = m.group(1)
+    combined = re.fullmatch(r"(.*?/)\((.*)\)", name)
+    if combined:
+        names = [combined.group(1) + n for n in combined.group(2).split(":")]
+        return names if len(names) == count else [None] * count
+    return [name] * count
 
 
 def _instruction_lines(hlo: str):

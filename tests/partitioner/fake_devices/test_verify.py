@@ -44,6 +44,22 @@ def test_megatron_mlp_compiles_to_the_one_all_reduce_the_factor_graph_predicts(d
     assert "all-reduce bytes" in v.table()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_collectives_are_counted_at_the_width_the_program_made_them(devices8, dtype):
+    """XLA:CPU reduces bfloat16 in float32 (it has no bf16 all-reduce); an H100 sends it as made."""
+
+    def step(x, w1, w2):
+        return jax.nn.relu(x.astype(dtype) @ w1.astype(dtype)) @ w2.astype(dtype)
+
+    args = (f32(16, 64), f32(64, 256), f32(256, 64))
+    specs = (P("data"), P(None, "model"), P("model", None))
+    predicted = predicted_cost(step, args, [(("data",), ()), ((), ("model",)), (("model",), ())])
+    v = verify(hand_plan(specs, P("data"), predicted), step, *args)
+    width = jnp.dtype(dtype).itemsize
+    assert [(c.kind, c.bytes) for c in v.collectives] == [("all-reduce", 16 * 64 * width // 2)]
+    assert v.collective_bytes == {"all-reduce": predicted.collective_bytes["all-reduce"]}
+
+
 def test_data_parallel_gradients_are_all_reduced_over_the_data_axis(devices8):
     loss = lambda w, x: jnp.mean((x @ w) ** 2)
     grad = jax.grad(loss)
