@@ -49,7 +49,7 @@ def estimate(
         mult, mat = [op.trips if op.body is None else 1 for op in graph.ops], memory.materialized(graph)
     work = _work(graph, mat)
     size = prop.device_bytes
-    compute = _compute_seconds(work, prop, hardware, mult)
+    compute, flop_seconds = _compute_seconds(work, prop, hardware, mult)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
@@ -86,7 +86,7 @@ def estimate(
         )
     else:
         peak = peak_bytes(prop, held, hardware.copies_transposed_lhs)
-    return Cost(compute, comm, sent, peak)
+    return Cost(compute, comm, sent, peak, flop_seconds=flop_seconds)
 
 
 COMBINE_BYTES = 32 << 20  # about what XLA's all-reduce combiner packs into one collective
@@ -155,9 +155,10 @@ def _work(graph: Graph, materialized: set[int]) -> _Work:
     return graph._work
 
 
-def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -> float:
+def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -> tuple[float, float]:
     """Roofline time of every op on one device, each counted `mult` times: its flops over the
-    devices its factors are split across, or its bytes moved, whichever takes longer."""
+    devices its factors are split across, or its bytes moved, whichever takes longer; and the
+    flops' time alone."""
     shards = np.ones(len(work.flops))
     devices: dict[tuple, int] = {}  # the axes an op's factors are split over -> how many devices
     for op, assigned in prop.factor_axes.items():
@@ -170,9 +171,11 @@ def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -
     moved = np.bincount(
         work.owner, weights=prop.device_bytes[work.values].astype(np.float64), minlength=len(work.flops)
     )
+    flop = work.flops / shards / hardware.peak_flops + work.body_flops / hardware.peak_flops
     seconds = np.maximum(work.flops / shards / hardware.peak_flops, moved / hardware.memory_bandwidth)
     seconds += work.body_flops / hardware.peak_flops
-    return float(np.dot(np.asarray(mult, dtype=np.float64), seconds))
+    mult = np.asarray(mult, dtype=np.float64)
+    return float(np.dot(mult, seconds)), float(np.dot(mult, flop))
 
 
 def _span(axes, mesh: Mapping[str, int]) -> int:

@@ -40,10 +40,18 @@ class Cost:
     # The same plan's peak as XLA:CPU lays it out (`Hardware.copies_transposed_lhs`): what
     # `verify` compares when it compiles on fake CPU devices.
     cpu_peak_bytes_per_device: int | None = None
+    # The FLOPs alone, without the time ops spend moving bytes through memory: with the
+    # collectives, what a compiled program shows of a plan (`verify`).
+    flop_seconds: float | None = None
 
     @property
     def total_seconds(self) -> float:
         return self.compute_seconds + self.communication_seconds
+
+    @property
+    def compiled_view_seconds(self) -> float:
+        """FLOPs and collectives: the part of the prediction a compile of the plan can check."""
+        return (self.compute_seconds if self.flop_seconds is None else self.flop_seconds) + self.communication_seconds
 
 
 class PlanMismatchError(ValueError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
 import time
 from collections.abc import Collection, Sequence
 
@@ -232,52 +233,86 @@ def _target_peak(v, plan: Plan, c: Candidate) -> int:
     return v.peak_bytes - max(0, plan.cost.cpu_peak_bytes_per_device - c.cost.peak_bytes_per_device)
 
 
-CLOSE = 1.25  # candidates predicted within this factor of the best are worth compiling to tell apart
-
-
-GUARD_TOP = 3  # candidates compiled by the guard
+CLOSE = 1.25  # candidates predicted within this factor of the best are not told apart by the roofline
+AGREE = 1.05  # candidates whose FLOPs and collectives are predicted within this are compiled to tell apart
+GUARD_TOP = 3  # candidates compiled by the guard, at most; no more than compile at once (one per CPU)
 
 
 def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, hw: Hardware, limit: int, check):
-    """The compiler as a guard (`compile_check`): where the best candidates are predicted within
-    CLOSE of each other, or some primitive was planned without a rule, the best GUARD_TOP of
-    those within CLOSE (one per tactic and mesh, and one per distinct plan) are compiled on this
-    process's devices and the one XLA makes cheapest, priced by `verify` with the same hardware
-    profile, is chosen. Skipped, and said why, where there are fewer devices here than the plans
-    use."""
-    best = fitting[0]
+    """The choice among the best candidates, and the compiler as a guard (`compile_check`).
+
+    Candidates within CLOSE of the best are not told apart by the roofline, whose memory-bound
+    part guesses what XLA will fuse; what a compile of a plan shows, its FLOPs per device and the
+    collectives XLA inserts, is predicted exactly where the model reads the program right (to the
+    byte on the Llama and Whisper steps of the corpus) and decides (`Cost.compiled_view_seconds`).
+    The guard compiles on this process's devices, on as many threads as there are CPUs, the best
+    of those whose FLOPs and collectives are predicted within AGREE of each other (at most
+    GUARD_TOP, one per distinct plan), and chooses the one XLA makes cheapest, priced by `verify`
+    with the same hardware profile; and the best few where some primitive was planned without a
+    rule. Skipped, and said why, where there are fewer devices here than the plans use."""
     unknown = sorted(inputs.fold.graph.unknown.items())
     ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
-    # Fast's own pool among them (the same at thorough), so thorough compiles what fast compiles.
+    # Fast's own pool among them (the same at thorough), so thorough weighs what fast weighs.
     pools = [fitting, [c for c in fitting if fast_mesh(c.mesh, hw) and not c.tactic.startswith("exact")]]
-    close = any(
-        len([c for c in pool if c.cost.total_seconds <= CLOSE * pool[0].cost.total_seconds]) >= 2
-        for pool in pools
-        if pool
+    views = [_by_compiled_view(pool) for pool in pools if pool]
+    best = views[0][0]
+    top = min(GUARD_TOP, max(2, os.cpu_count() or 1))
+    agree = [[c for c in view[:top] if _view(c) <= AGREE * _view(view[0])] for view in views]
+    close = any(len(a) >= 2 for a in agree)
+    differ = len(views) > 1 and views[1][0] is not best
+    asked = views[0][:top] if check is True or unknown else [c for a in agree for c in a]
+    contenders = _same_plans_once(sorted({id(c): c for c in asked + [v[0] for v in views]}.values(), key=_view))[:top]
+    roofline = fitting[0]
+    weighed = (
+        f"chose {best.tactic} on {mesh_text(best.mesh)} over {roofline.tactic} on {mesh_text(roofline.mesh)}, at "
+        f"{best.cost.total_seconds / roofline.cost.total_seconds:.3f}x its roofline time, for its FLOPs and collectives: "
+        f"{_view(best) * 1e3:.3f} ms against {_view(roofline) * 1e3:.3f} ms"
+        if best is not roofline
+        else ""
     )
-    top = [
-        c
-        for pool in pools
-        for c in _distinct(pool)[:GUARD_TOP]
-        if c.cost.total_seconds <= CLOSE * pool[0].cost.total_seconds
-    ]
-    top = _same_plans_once(sorted({id(c): c for c in top}.values(), key=lambda c: c.cost.total_seconds))
-    differ = bool(pools[1]) and pools[1][0] is not best
-    if check is False or (check == "auto" and not (close or unknown or differ)) or len(top) < 2:
-        return best, tuple(n for n in (ruleless,) if n)
+    if check is False or len(contenders) < 2:
+        return best, tuple(n for n in (ruleless, weighed) if n)
     here = len(jax.devices())
-    need = max(math.prod(c.mesh.values()) for c in top)
+    need = max(math.prod(c.mesh.values()) for c in contenders)
     if here < need:
         why = f"compile check skipped: {here} device(s) in this process, the candidates use {need}"
-        return best, tuple(n for n in (ruleless, why) if n)
-    plans = [_to_plan(inputs, c, args, devices, 0.0, [c], limit, hw) for c in top]
+        return best, tuple(n for n in (ruleless, weighed, why) if n)
+    plans = [_to_plan(inputs, c, args, devices, 0.0, [c], limit, hw) for c in contenders]
     seconds, how = _compiled_seconds(fn, args, inputs, plans, hw)
-    priced = list(zip(seconds, top))
+    priced = list(zip(seconds, contenders))
     chosen = min(priced, key=lambda t: t[0])[1]
     said = ", ".join(f"{c.tactic} on {mesh_text(c.mesh)} {sec * 1e3:.3f} ms" for sec, c in priced)
-    why = "close predictions" if close else "primitives without a rule" if unknown else "the fast level's best differs"
+    why = next(
+        w
+        for w, yes in (
+            ("close predictions", close),
+            ("primitives without a rule", unknown),
+            ("the fast level's best differs", differ),
+            ("asked", True),
+        )
+        if yes
+    )
     note = f"compiled the top {len(priced)} ({why}{how}): {said}; chose {chosen.tactic} on {mesh_text(chosen.mesh)}"
     return chosen, tuple(n for n in (ruleless, note) if n)
+
+
+def _view(c: Candidate) -> float:
+    return c.cost.compiled_view_seconds
+
+
+def _by_compiled_view(pool: list[Candidate]) -> list[Candidate]:
+    """The candidates within CLOSE of the pool's best on as many devices (one per tactic and
+    mesh), cheapest FLOPs and collectives first. A plan on fewer devices sends less by doing more
+    on each, and the memory-bound part of that work is what the compiled view cannot see: those
+    are weighed by the roofline alone."""
+    best = pool[0]
+    used = math.prod(best.mesh.values())
+    close = [
+        c
+        for c in _distinct(pool)
+        if c.cost.total_seconds <= CLOSE * best.cost.total_seconds and math.prod(c.mesh.values()) == used
+    ]
+    return sorted(close, key=_view)
 
 
 def _compiled_seconds(fn, args, inputs: Inputs, plans: list[Plan], hw: Hardware) -> tuple[list[float], str]:

@@ -106,10 +106,11 @@ def test_the_moe_example_weighs_expert_parallelism_and_splits_experts():
     tactics = {c.tactic for c in ranked}
     assert {"expert", "expert+megatron", "megatron"} <= tactics, tactics
     # Experts over model, attention by Megatron, the router replicated: cheaper under the compiler
-    # than every hand plan (BENCHMARKS.md), and the fast level's choice, by compiled cost among
-    # close predictions (the expert tactic refined weight by weight).
+    # than every hand plan (BENCHMARKS.md), and the fast level's choice among close predictions by
+    # what a compile shows, FLOPs and collectives (the expert tactic refined weight by weight),
+    # over FSDP, which the roofline puts 7% ahead for its memory traffic.
     assert plan.notes[0].split()[1] in ("refined", "expert+megatron", "expert+megatron+fsdp"), plan.notes[0]
-    assert any(n.startswith("compiled the top") for n in plan.notes), plan.notes
+    assert any("for its FLOPs and collectives" in n or n.startswith("compiled the top") for n in plan.notes), plan.notes
     layer = plan.in_specs[0]["params"]["layers"][0]
     assert layer["w_in"][0] == "model" and layer["w_out"][0] == "model", layer
     assert "model" in layer["attn"]["wq"] and "model" in layer["attn"]["wo"], layer["attn"]
