@@ -10,10 +10,12 @@ Levels (Rhino's two optimisation levels, https://arxiv.org/abs/2302.08141):
               every weight of the folded graph from unary and pairwise costs measured by
               propagation, and its best answers are priced exactly.
 
-The guard (`compile_check`): where the best candidates are predicted within CLOSE of each other,
-a primitive was planned without a rule, or the fast level's best differs from the thorough
-level's, the best few are compiled on this process's devices and priced from what XLA produced
-(`verify`), and the cheapest is chosen; the plan's notes say which were compiled and why.
+The choice and the guard (`compile_check`): among candidates predicted within CLOSE of the best,
+the one with the fewest predicted FLOPs and collectives, what a compile shows, is chosen; where
+some are predicted within AGREE of it, a primitive was planned without a rule, or the fast
+level's choice differs from the thorough level's, the best few are compiled on this process's
+devices and priced from what XLA produced (`verify`), and the cheapest is chosen; the plan's
+notes say which were compiled and why.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def plan(
     shallow_trace: bool = True,
 ) -> Plan:
     """The best plan found for `fn(*args)` on `devices` (a count or a list of devices).
-    `compile_check`: "auto" compiles the top candidates where predictions are close or a
-    primitive has no rule (and this process has the devices); True always, False never.
+    `compile_check`: "auto" compiles the top candidates where their predicted FLOPs and
+    collectives are close or a primitive has no rule (and this process has the devices); True
+    always, False never.
     `shallow_trace`: where the arguments hold a deep stack of layers, plan from traces of the
     first 3 and 4 (`depth`); pass False for a step that treats some layers differently by their
     index (every 4th layer global attention), which those traces cannot see.
@@ -244,7 +247,8 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
     Candidates within CLOSE of the best are not told apart by the roofline, whose memory-bound
     part guesses what XLA will fuse; what a compile of a plan shows, its FLOPs per device and the
     collectives XLA inserts, is predicted exactly where the model reads the program right (to the
-    byte on the Llama and Whisper steps of the corpus) and decides (`Cost.compiled_view_seconds`).
+    byte on the Llama and Whisper steps of the corpus) and decides where it puts one more than
+    AGREE ahead of the roofline's best (`Cost.compiled_view_seconds`, `_pick`).
     The guard compiles on this process's devices, on as many threads as there are CPUs, the best
     of those whose FLOPs and collectives are predicted within AGREE of each other (at most
     GUARD_TOP, one per distinct plan), and chooses the one XLA makes cheapest, priced by `verify`
@@ -254,14 +258,16 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
     ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
     # Fast's own pool among them (the same at thorough), so thorough weighs what fast weighs.
     pools = [fitting, [c for c in fitting if fast_mesh(c.mesh, hw) and not c.tactic.startswith("exact")]]
-    views = [_by_compiled_view(pool) for pool in pools if pool]
-    best = views[0][0]
+    pools = [pool for pool in pools if pool]
+    views = [_by_compiled_view(pool) for pool in pools]
+    picks = [_pick(pool[0], view) for pool, view in zip(pools, views)]
+    best = picks[0]
     top = min(GUARD_TOP, max(2, os.cpu_count() or 1))
     agree = [[c for c in view[:top] if _view(c) <= AGREE * _view(view[0])] for view in views]
     close = any(len(a) >= 2 for a in agree)
-    differ = len(views) > 1 and views[1][0] is not best
+    differ = len(picks) > 1 and picks[1] is not best
     asked = views[0][:top] if check is True or unknown else [c for a in agree for c in a]
-    contenders = _same_plans_once(sorted({id(c): c for c in asked + [v[0] for v in views]}.values(), key=_view))[:top]
+    contenders = _same_plans_once(sorted({id(c): c for c in asked + picks}.values(), key=_view))[:top]
     roofline = fitting[0]
     weighed = (
         f"chose {best.tactic} on {mesh_text(best.mesh)} over {roofline.tactic} on {mesh_text(roofline.mesh)}, at "
@@ -298,6 +304,12 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
 
 def _view(c: Candidate) -> float:
     return c.cost.compiled_view_seconds
+
+
+def _pick(first: Candidate, view: list[Candidate]) -> Candidate:
+    """The roofline's best, unless the view puts another more than AGREE ahead of it: within
+    AGREE the view cannot tell them apart either, and only a compile may overrule the roofline."""
+    return view[0] if _view(first) > AGREE * _view(view[0]) else first
 
 
 def _by_compiled_view(pool: list[Candidate]) -> list[Candidate]:
