@@ -338,6 +338,16 @@ def refined(
         for c in pool:
             if tuple(c.mesh.items()) in meshes:
                 starts.setdefault((tuple(c.mesh.items()), "fsdp" in c.tactic), c)
+    if level == "fast":
+        # Refinement keeps every trial's FSDP: a start slower than its mesh's start without
+        # FSDP, which fits too, is not expected to overtake it, and refining it doubles the work.
+        starts = {
+            k: c
+            for k, c in starts.items()
+            if not k[1]
+            or (k[0], False) not in starts
+            or c.cost.total_seconds < starts[(k[0], False)].cost.total_seconds
+        }
     return [_refine(inputs, c, hw, limit, fsdp) for (_, fsdp), c in starts.items()]
 
 
