@@ -171,11 +171,11 @@ def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -
     moved = np.bincount(
         work.owner, weights=prop.device_bytes[work.values].astype(np.float64), minlength=len(work.flops)
     )
-    flop = work.flops / shards / hardware.peak_flops + work.body_flops / hardware.peak_flops
-    seconds = np.maximum(work.flops / shards / hardware.peak_flops, moved / hardware.memory_bandwidth)
-    seconds += work.body_flops / hardware.peak_flops
+    split = work.flops / shards / hardware.peak_flops
+    body = work.body_flops / hardware.peak_flops
+    seconds = np.maximum(split, moved / hardware.memory_bandwidth) + body
     mult = np.asarray(mult, dtype=np.float64)
-    return float(np.dot(mult, seconds)), float(np.dot(mult, flop))
+    return float(np.dot(mult, seconds)), float(np.dot(mult, split + body))
 
 
 def _span(axes, mesh: Mapping[str, int]) -> int:

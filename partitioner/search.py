@@ -11,11 +11,11 @@ Levels (Rhino's two optimisation levels, https://arxiv.org/abs/2302.08141):
               propagation, and its best answers are priced exactly.
 
 The choice and the guard (`compile_check`): among candidates predicted within CLOSE of the best,
-the one with the fewest predicted FLOPs and collectives, what a compile shows, is chosen; where
-some are predicted within AGREE of it, a primitive was planned without a rule, or the fast
-level's choice differs from the thorough level's, the best few are compiled on this process's
-devices and priced from what XLA produced (`verify`), and the cheapest is chosen; the plan's
-notes say which were compiled and why.
+one whose predicted FLOPs and collectives, what a compile shows, are more than AGREE below the
+best's is chosen instead; where some are within AGREE of each other, a primitive was planned
+without a rule, or the fast level's choice differs from the thorough level's, the best few are
+compiled on this process's devices and priced from what XLA produced (`verify`), and the
+cheapest is chosen; the plan's notes say which were compiled and why.
 """
 
 from __future__ import annotations
