@@ -190,7 +190,7 @@ def parse_collectives(hlo: str, widths: Mapping[str, int] | None = None) -> list
             arrays = arrays[len(arrays) // 2 :]  # (operands, results): the results
         names = _op_names(line, len(arrays))
         sizes = [
-            min(_DTYPE_BYTES.get(dt, 4), (widths or {}).get(name, 8) if dt in _FLOATS else 8)
+            min(_DTYPE_BYTES.get(dt, 4), _width(widths or {}, name) if dt in _FLOATS else 8)
             * math.prod(int(d) for d in dims.split(",") if d)
             for (dt, dims), name in zip(arrays, names)
         ]
@@ -222,6 +222,16 @@ def program_widths(hlo: str) -> dict[str, int]:
         if floats:
             out[name.group(1)] = max(out.get(name.group(1), 0), *floats)
     return out
+
+
+def _width(widths: Mapping[str, int], name: str | None) -> int:
+    """The program's width for an op_name: its own, or, inside a scan's or a call's body (named
+    relative to the body before optimisation, from the top after inlining), its longest suffix's."""
+    while name:
+        if name in widths:
+            return widths[name]
+        name = name.partition("/")[2]
+    return 8
 
 
 def _op_names(line: str, count: int) -> list[str | None]:

@@ -60,6 +60,22 @@ def test_collectives_are_counted_at_the_width_the_program_made_them(devices8, dt
     assert v.collective_bytes == {"all-reduce": predicted.collective_bytes["all-reduce"]}
 
 
+def test_a_scanned_layers_collectives_are_counted_at_the_programs_width_too(devices8):
+    """Inside a scan's body op_names are relative to it before optimisation, absolute after."""
+
+    def layer(x, w):
+        w1, w2 = w
+        return jax.nn.relu(x @ w1.astype(jnp.bfloat16)) @ w2.astype(jnp.bfloat16), None
+
+    def step(x, w1, w2):
+        return jax.lax.scan(layer, x.astype(jnp.bfloat16), (w1, w2))[0]
+
+    args = (f32(16, 64), f32(3, 64, 256), f32(3, 256, 64))
+    specs = (P("data"), P(None, None, "model"), P(None, "model", None))
+    v = verify(hand_plan(specs, P("data"), Cost(0.0, 0.0, {}, 0)), step, *args)
+    assert [(c.kind, c.bytes, c.count) for c in v.collectives] == [("all-reduce", 16 * 64 * 2 // 2, 3)]
+
+
 def test_data_parallel_gradients_are_all_reduced_over_the_data_axis(devices8):
     loss = lambda w, x: jnp.mean((x @ w) ** 2)
     grad = jax.grad(loss)
