@@ -179,7 +179,8 @@ def _cost(d, f, abstract, batch_argnums, specs, flops, hw: Hardware) -> Cost:
         seconds += _ring(reduce, m, hw)
     # Parameters, gradients and one gathered FSDP copy live at once; the batch is split m ways.
     peak = sharded + grads // f + (grads // f if f > 1 else 0) + batch // m
-    return Cost(flops / (m * hw.peak_flops), seconds, moved, int(peak), flop_seconds=flops / (m * hw.peak_flops))
+    compute = flops / (m * hw.peak_flops)  # no memory-bound term here: the FLOPs alone
+    return Cost(compute, seconds, moved, int(peak), flop_seconds=compute)
 
 
 def _ring(nbytes: float, group: int, hw: Hardware) -> float:

@@ -1,0 +1,30 @@
+"""The choice among close candidates: the roofline's best stands unless the predicted FLOPs and
+collectives (what a compile shows) put another more than AGREE ahead; plans on fewer devices
+are left to the roofline."""
+
+from partitioner.plan import Cost
+from partitioner.search import AGREE, CLOSE, _by_compiled_view, _pick
+from partitioner.tactics import Candidate
+
+
+def candidate(tactic, mesh, total, flops_and_collectives):
+    comm = flops_and_collectives / 2
+    cost = Cost(total - comm, comm, {}, 0, flop_seconds=flops_and_collectives - comm)
+    return Candidate(tactic, mesh, {}, cost, None)
+
+
+def test_the_view_overrules_the_roofline_only_by_more_than_agree():
+    roofline = candidate("dp", {"data": 8, "model": 1}, 1.00, 1.00)
+    near = candidate("megatron", {"data": 4, "model": 2}, 1.02, 1.00 / AGREE * 1.001)
+    far = candidate("megatron", {"data": 4, "model": 2}, 1.02, 0.80)
+    assert _pick(roofline, _by_compiled_view([roofline, near])) is roofline
+    assert _pick(roofline, _by_compiled_view([roofline, far])) is far
+
+
+def test_plans_on_fewer_devices_or_beyond_close_are_not_weighed_by_the_view():
+    roofline = candidate("dp", {"data": 8, "model": 1}, 1.00, 1.00)
+    fewer = candidate("dp", {"data": 4, "model": 1}, 1.05, 0.50)
+    beyond = candidate("fsdp", {"data": 8, "model": 1}, CLOSE * 1.01, 0.50)
+    view = _by_compiled_view([roofline, fewer, beyond])
+    assert view == [roofline]
+    assert _pick(roofline, view) is roofline
