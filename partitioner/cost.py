@@ -178,6 +178,21 @@ def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -
     return float(np.dot(mult, seconds)), float(np.dot(mult, split + body))
 
 
+def compute_floor(graph: Graph, fold: Fold | None, hardware: Hardware, devices: int) -> float:
+    """The least compute time any sharding over `devices` devices can be priced at: each op's
+    flops and bytes split `devices` ways, its loop body's not at all (`_compute_seconds` splits an
+    op over at most the mesh's devices and prices a body unsharded). A bound, not an estimate:
+    what a mesh of that many devices cannot beat, however its weights are split."""
+    mult, mat = (fold.mult, fold.materialized) if fold is not None else (None, memory.materialized(graph))
+    if mult is None:
+        mult = [op.trips if op.body is None else 1 for op in graph.ops]
+    work = _work(graph, mat)
+    nbytes = np.fromiter((v.nbytes for v in graph.values), dtype=np.float64, count=len(graph.values))
+    moved = np.bincount(work.owner, weights=nbytes[work.values], minlength=len(work.flops))
+    whole = np.maximum(work.flops / hardware.peak_flops, moved / hardware.memory_bandwidth)
+    return float(np.dot(np.asarray(mult, dtype=np.float64), whole / devices + work.body_flops / hardware.peak_flops))
+
+
 def _span(axes, mesh: Mapping[str, int]) -> int:
     names = list(mesh)
     outermost = min(names.index(a) for a in axes)

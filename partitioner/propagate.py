@@ -296,38 +296,57 @@ def _static(graph: Graph) -> _Static:
 
 
 def _info(graph: Graph, op: Op) -> _OpInfo:
-    fwd = tuple(zip(op.operands, op.operand_dims)) + tuple(zip(op.results, op.result_dims))
-    bwd = tuple(zip(op.results, op.result_dims)) + tuple(zip(op.operands, op.operand_dims))
-    size = lambda v: graph.values[v].nbytes if v >= 0 else 0
-    ranked = lambda sides: tuple(sorted(((v, d, size(v)) for v, d in sides if v >= 0), key=lambda t: -t[2]))
-    by_size = ranked(fwd)
-    carried: dict[int, int] = {}
-    for v, dims in zip(op.operands, op.operand_dims):
-        for factors in dims:
-            for f in factors:
-                carried[f] = max(carried.get(f, 0), size(v))
+    """One op's `_OpInfo`: each value's slots found once and read in both orders (hot: once per op
+    of the graph)."""
+    values, sizes = graph.values, [f.size for f in op.factors]
+    minors: dict[tuple, tuple] = {}
+    reads, writes, carried = [], [], {}
+    count = len(op.operands)
+    for k, (v, dims) in enumerate(zip(op.operands + op.results, op.operand_dims + op.result_dims)):
+        if v < 0:  # a literal: it reads nothing, and an axis its factors take is free to move
+            reads.append(None)
+            writes.append(None)
+            for factors in dims if k < count else ():
+                for f in factors:
+                    carried.setdefault(f, 0)
+            continue
+        value = values[v]
+        shape, nbytes = value.shape, value.nbytes
+        slots = []
+        for d, factors in enumerate(dims[: len(shape)]):
+            if factors:
+                minor = minors.get(factors)
+                if minor is None:
+                    minor = minors[factors] = _minor(sizes, factors)
+                slots.append((d, factors[0], minor))
+        reads.append((v, nbytes, tuple((d, f, sizes[f], minor) for d, f, minor in slots)))
+        matched = len(dims) == len(shape) and slots
+        writes.append((v, len(shape), tuple((d, f, shape[d], minor) for d, f, minor in slots)) if matched else None)
+        if k < count:
+            for factors in dims:
+                for f in factors:
+                    carried[f] = max(carried.get(f, 0), nbytes)
+    # Largest first; among equals operands first forward and results first backward.
+    backward = list(range(count, len(reads))) + list(range(count))
+    by_size = lambda order: tuple(sorted((reads[k] for k in order if reads[k]), key=lambda r: -r[1]))
+    reads_forward = by_size(range(len(reads)))
     return _OpInfo(
-        by_size[0][2] if by_size else 0,
+        reads_forward[0][1] if reads_forward else 0,
         op.primitive in _BROADCASTING,
         carried,
-        _reads(graph, op, by_size),
-        _reads(graph, op, ranked(bwd)),
-        _writes(graph, op, fwd),
-        _writes(graph, op, bwd),
+        reads_forward,
+        by_size(backward),
+        tuple(w for w in writes if w),
+        tuple(writes[k] for k in backward if writes[k]),
     )
 
 
-def _slots(op: Op, dims, rank: int) -> tuple:
-    """Per dimension that carries factors: (d, its major factor, the minor ones as `_minor`)."""
-    return tuple((d, factors[0], _minor(op, factors)) for d, factors in enumerate(dims[:rank]) if factors)
-
-
-def _minor(op: Op, factors: tuple[int, ...]) -> tuple:
+def _minor(sizes: list[int], factors: tuple[int, ...]) -> tuple:
     """A dimension's factors after its major one, each (factor, size, product of those before it)."""
-    out, before = [], op.factors[factors[0]].size
+    out, before = [], sizes[factors[0]]
     for f in factors[1:]:
-        out.append((f, op.factors[f].size, before))
-        before *= op.factors[f].size
+        out.append((f, sizes[f], before))
+        before *= sizes[f]
     return tuple(out)
 
 
@@ -350,24 +369,6 @@ def _landed(minor: tuple, assigned: Mapping[int, tuple], sizes) -> tuple | None:
     (`_landing`)."""
     f, axes = next(((f, assigned[f]) for f, _, _ in minor if f in assigned), (None, None))
     return axes if f is not None and _landing(minor, sizes[axes]) == f else None
-
-
-def _reads(graph: Graph, op: Op, ranked) -> tuple:
-    """(value, bytes, ((d, factor, the factor's size, minor), ...)) per value, in the order given."""
-    slots = lambda d, v: tuple(
-        (i, f, op.factors[f].size, minor) for i, f, minor in _slots(op, d, len(graph.values[v].shape))
-    )
-    return tuple((v, n, slots(d, v)) for v, d, n in ranked)
-
-
-def _writes(graph: Graph, op: Op, sides) -> tuple:
-    """(value, ((d, factor, the dimension's size, minor), ...)) per value its dims match, in the order given."""
-    out = []
-    for v, dims in sides:
-        shape = graph.values[v].shape if v >= 0 else ()
-        if v >= 0 and len(dims) == len(shape) and any(dims):
-            out.append((v, len(shape), tuple((d, f, shape[d], minor) for d, f, minor in _slots(op, dims, len(dims)))))
-    return tuple(out)
 
 
 def _step(
@@ -496,8 +497,9 @@ def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]
         # and sums the parts (XLA's masked local gather, then an all-reduce): as a reduction.
         summed = (FactorKind.REDUCE, FactorKind.GATHER) if op.primitive == "gather" else (FactorKind.REDUCE,)
         reduces = frozenset(f for f, factor in enumerate(op.factors) if factor.kind in summed)
+        sizes = [f.size for f in op.factors]
         reads = tuple(
-            (v, tuple((fs[0], op.factors[fs[0]].size, _minor(op, fs)) if fs else None for fs in dims))
+            (v, tuple((fs[0], sizes[fs[0]], _minor(sizes, fs)) if fs else None for fs in dims))
             for v, dims in zip(op.operands, op.operand_dims)
             if v >= 0 and v not in constant
         )

@@ -31,7 +31,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import exact
-from .cost import estimate
+from .cost import compute_floor, estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
@@ -135,12 +135,7 @@ def _search(
     unknown = set(tactics or ()) - set(TACTICS)
     if unknown:
         raise PlanInputError(f"unknown tactics {sorted(unknown)}: expected some of {TACTICS}")
-    candidates = [
-        c
-        for mesh in meshes
-        for c in tactic_candidates(inputs, mesh, hw)
-        if tactics is None or c.tactic.split("+sequence")[0] in tactics
-    ]
+    candidates, floored = _tactic_candidates(inputs, meshes, hw, limit, tactics)
     if tactics is None or "refined" in tactics:
         candidates += refined(inputs, candidates, hw, limit, level)
     if level == "thorough" and (tactics is None or "exact" in tactics):
@@ -163,7 +158,7 @@ def _search(
             + "Use more devices, a smaller batch, or a larger memory_limit"
         )
     best, guard = _guarded(fn, args, inputs, fitting, devices, hw, limit, compile_check)
-    guard = checked + guard
+    guard = checked + guard + tuple(floored)
     t2 = time.perf_counter()
     traced = inputs.fold.depths if isinstance(inputs.fold, Deepened) else None
     timing = (
@@ -174,6 +169,32 @@ def _search(
     )
     plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
     return plan, ranked
+
+
+def _tactic_candidates(inputs: Inputs, meshes, hw: Hardware, limit: int, tactics) -> tuple[list[Candidate], list[str]]:
+    """Every tactic's candidate on each mesh, the meshes that use the most devices first; those on
+    fewer only where their compute alone (`compute_floor`) could beat the best that fits on more,
+    which with a batch that every device divides it seldom can. Also a note per count left out."""
+    groups: dict[int, list] = {}
+    for mesh in meshes:
+        groups.setdefault(math.prod(mesh.values()), []).append(mesh)
+    candidates, floored = [], []
+    for count in sorted(groups, reverse=True):
+        best = min((c.cost.total_seconds for c in candidates if c.cost.peak_bytes_per_device <= limit), default=None)
+        floor = compute_floor(inputs.graph, inputs.fold, hw, count) if best is not None else 0.0
+        if best is not None and floor > best:
+            floored.append(
+                f"not priced on {count} devices: their compute alone would take at least {floor * 1e3:.3g} ms, "
+                f"more than the best plan that fits on more ({best * 1e3:.3g} ms)"
+            )
+            continue
+        candidates += [
+            c
+            for mesh in groups[count]
+            for c in tactic_candidates(inputs, mesh, hw)
+            if tactics is None or c.tactic.split("+sequence")[0] in tactics
+        ]
+    return candidates, floored
 
 
 def _remat_hint(inputs: Inputs, least: Candidate, hw: Hardware, limit: int) -> str:
