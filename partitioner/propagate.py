@@ -94,9 +94,11 @@ def propagate(
         >>> p = propagate(g, {g.inputs[0]: (("data",), ()), g.inputs[1]: ((), ("model",))}, {"data": 2, "model": 4})
         >>> p.shardings[g.outputs[0]]
     """
-    annotations = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
+    static = _static(graph)
+    first = {static.alias.get(v, v) for v in first}
+    annotations = _onto_classes(static.alias, annotations)
     stages = [{v: s for v, s in annotations.items() if v in first}, annotations] if first else [annotations]
-    touching = _static(graph).touching
+    touching = static.touching
     shardings, factor_axes, takeovers = _run(graph, stages, mesh, max_sweeps, {}, touching)
     seeds = _seeds(graph, takeovers, annotations)
     if seeds:
@@ -105,7 +107,31 @@ def propagate(
         # activation, the gradient coming back) keep that split. Rerun with those results
         # split so from the start, beside the batch.
         shardings, factor_axes, _ = _run(graph, stages, mesh, max_sweeps, seeds, touching)
+    _relabelled(graph, static, shardings, factor_axes)
     return Propagation(graph, dict(mesh), shardings, factor_axes)
+
+
+def _onto_classes(alias: Mapping[int, int], annotations: Mapping[int, Sharding]) -> dict[int, Sharding]:
+    """Annotations keyed by the value each one's class stands for (`_aliases`); a value's own
+    annotation before one on a relabelling of it."""
+    out = {v: tuple(tuple(a) for a in s) for v, s in annotations.items() if v not in alias}
+    for v, s in annotations.items():
+        if v in alias:
+            out.setdefault(alias[v], tuple(tuple(a) for a in s))
+    return out
+
+
+def _relabelled(graph: Graph, static: _Static, shardings: dict, factor_axes: dict) -> None:
+    """Each relabelling (`_aliases`) given its class's sharding, and its op the factors that carry it."""
+    for v, root in static.alias.items():
+        found = shardings.get(root)
+        if found is not None:
+            shardings[v] = found
+    for i in static.relabels:
+        op = graph.ops[i]
+        found = shardings.get(op.results[0])
+        if found is not None:
+            factor_axes[i] = {f[0]: axes for f, axes in zip(op.result_dims[0], found) if f and axes}
 
 
 def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Sharding], touching: Mapping[int, list[int]]):
@@ -155,11 +181,12 @@ class Spreading:
         self._state = _fresh(graph, {})
 
     def add(self, annotations: Mapping[int, Sharding]) -> None:
-        stage = {v: tuple(tuple(a) for a in s) for v, s in annotations.items()}
-        _stage(self.graph, self._state, stage, False, self.mesh, self.max_sweeps, _static(self.graph).touching)
+        static = _static(self.graph)
+        stage = _onto_classes(static.alias, annotations)
+        _stage(self.graph, self._state, stage, False, self.mesh, self.max_sweeps, static.touching)
 
     def of(self, value: int, rank: int) -> Sharding:
-        return self._state[0].get(value, ((),) * rank)
+        return self._state[0].get(_static(self.graph).alias.get(value, value), ((),) * rank)
 
 
 def _copied(state):
@@ -274,30 +301,59 @@ class _Static:
     moved_instead: dict[int, list[int]]  # value -> what resharding it moves (`_communication`)
     exchanges: list[tuple[frozenset, tuple]]  # per op, what `_communication` reads (`_exchanges`)
     nbytes: np.ndarray  # per value, its bytes whole (int64)
+    alias: dict[int, int]  # a relabelling's value -> the value its class stands for (`_aliases`)
+    relabels: list[int]  # the ops that make them, not stepped
 
 
 def _static(graph: Graph) -> _Static:
     if graph._propagation is None:
+        alias, relabels = _aliases(graph)
+        skipped = set(relabels)
         touching: dict[int, list[int]] = {}
         for op in graph.ops:
-            for v in op.operands + op.results:
-                if v >= 0:
-                    touching.setdefault(v, []).append(op.id)
+            if op.id not in skipped:
+                for v in op.operands + op.results:
+                    if v >= 0:
+                        touching.setdefault(alias.get(v, v), []).append(op.id)
         constants = _constants(graph)
         graph._propagation = _Static(
-            [_info(graph, op) for op in graph.ops],
+            [None if op.id in skipped else _info(graph, op, alias) for op in graph.ops],
             touching,
             constants,
             _moved(graph, constants),
             _exchanges(graph, constants),
             np.array([v.nbytes for v in graph.values], dtype=np.int64),
+            alias,
+            relabels,
         )
     return graph._propagation
 
 
-def _info(graph: Graph, op: Op) -> _OpInfo:
-    """One op's `_OpInfo`: each value's slots found once and read in both orders (hot: once per op
-    of the graph)."""
+def _aliases(graph: Graph) -> tuple[dict[int, int], list[int]]:
+    """Elementwise ops of one array (a negation, a square root, a scaling by a scalar) whose result
+    has its operand's shape and bytes: the result only relabels the operand, and every step of
+    propagation gives both the same sharding. Such chains (a third of a UNet's ops, most of an
+    optimizer's) are propagated as one value each, their ops not stepped."""
+    alias: dict[int, int] = {}
+    relabels = []
+    values = graph.values
+    for op in graph.ops:
+        if op.primitive not in ELEMENTWISE or len(op.results) != 1 or op.results[0] < 0:
+            continue
+        arrays = [(v, d) for v, d in zip(op.operands, op.operand_dims) if v >= 0 and values[v].shape]
+        if len(arrays) != 1:
+            continue
+        (v, dims), r = arrays[0], op.results[0]
+        same = values[v].shape == values[r].shape and values[v].nbytes == values[r].nbytes
+        if same and dims == op.result_dims[0] and all(len(f) <= 1 for f in dims):
+            alias[r] = alias.get(v, v)
+            relabels.append(op.id)
+    return alias, relabels
+
+
+def _info(graph: Graph, op: Op, alias: Mapping[int, int]) -> _OpInfo:
+    """One op's `_OpInfo`, its values named by their classes (`_aliases`): each value's slots found
+    once and read in both orders (hot: once per op of the graph)."""
     values, sizes = graph.values, [f.size for f in op.factors]
     minors: dict[tuple, tuple] = {}
     reads, writes, carried = [], [], {}
@@ -311,7 +367,7 @@ def _info(graph: Graph, op: Op) -> _OpInfo:
                     carried.setdefault(f, 0)
             continue
         value = values[v]
-        shape, nbytes = value.shape, value.nbytes
+        shape, nbytes, v = value.shape, value.nbytes, alias.get(v, v)
         slots = []
         for d, factors in enumerate(dims[: len(shape)]):
             if factors:

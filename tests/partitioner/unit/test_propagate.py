@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from partitioner.capture import capture
-from partitioner.propagate import propagate
+from partitioner.propagate import _static, propagate
 
 f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
 MESH = {"data": 2, "model": 4}
@@ -152,3 +152,25 @@ def test_a_table_split_by_vocabulary_is_priced_as_a_lookup_and_a_sum():
     assert sums[0].bytes == 16 // 2 * 32 * 64 * 4  # the activations on one device
     assert p.shardings[g.outputs[0]] == (("model",), ())  # the update keeps the table's split
     assert not [c for c in p.communication if "model" in c.axes and c.op != gather.id]
+
+
+def test_a_chain_of_elementwise_ops_of_one_array_is_sharded_as_its_operand_and_not_stepped():
+    def step(x, w):
+        h = x @ w
+        return jnp.sqrt(jnp.exp(-h) * 2.0) @ w.T
+
+    g = capture(step, f32(16, 64), f32(64, 128))
+    x, w = g.inputs
+    hidden = producer_of(g, "dot_general", 0).results[0]
+    chain = [op for op in g.ops if op.primitive in ("neg", "exp", "mul", "sqrt")]
+    assert len(chain) == 4
+    p = propagate(g, {x: (("data",), ()), w: ((), ("model",))}, MESH)
+    for op in chain:  # each relabels the hidden activations: same split, its factors carry it
+        assert p.shardings[op.results[0]] == p.shardings[hidden] == (("data",), ("model",))
+        assert sorted(p.factor_axes[op.id].values()) == [("data",), ("model",)]
+    assert not [c for c in p.communication if c.kind == "reshard"]
+    assert all(_static(g).ops[op.id] is None for op in chain)  # propagated as one value, not stepped
+    # An annotation on the last of them reaches back through the chain as one on the first would.
+    sqrt = chain[-1].results[0]
+    q = propagate(g, {sqrt: (("data",), ("model",))}, MESH)
+    assert q.shardings[hidden] == (("data",), ("model",)) and q.shardings[w][1] == ("model",)
