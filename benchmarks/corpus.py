@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/corpus.py depth [NAME ...]    # plan time against depth (1,024 devices)
     .venv/bin/python benchmarks/corpus.py large               # 96 layers, 2M tokens, 1,024 H100s
     .venv/bin/python benchmarks/corpus.py plantime [NAME ...] # fast plan on 8 devices, guard included
+    .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
+    .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
 
 `tables`: for each model, the fast and thorough plans and each expert plan, compiled on 8 fake CPU
 devices and priced from what XLA produced with the h100 profile (`partitioner.verify`), with the
@@ -16,6 +18,11 @@ difference between their predicted costs.
 `plantime`: `plan(..., devices=8, level="fast")` wall time with the compiler guard, each run in a
 fresh process (so nothing compiled before is reused), median of 3, with where the time went and
 what the guard compiled.
+`digests`: each model's fast plan (no guard) on DEVICES devices at LAYERS layers: a digest of its
+specs and mesh, its predicted time and the propagations it took; run in two checkouts and
+compared, it shows a change that should not move plans does not.
+`ab`: `plantime`'s plan on 8 devices in this checkout and in the one at BASE (`git worktree add`),
+alternating in three rounds, each run in a fresh process.
 `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
 under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
 used, peak against the limit, plan time.
@@ -91,10 +98,9 @@ def _specs(plan) -> list:
     return [jax.tree.leaves(plan.in_specs, is_leaf=spec), jax.tree.leaves(plan.out_specs, is_leaf=spec)]
 
 
-def plantime(names) -> None:
+def _planned(root: str, name: str) -> tuple[float, list[str]]:
+    """`plan(...)` on 8 devices with the guard, in a fresh process, as the checkout at `root` has it."""
     import subprocess
-
-    from tests.corpus import CORPUS
 
     code = (
         "import sys, time, json; sys.path.insert(0, {root!r})\n"
@@ -103,18 +109,65 @@ def plantime(names) -> None:
         "t = time.perf_counter(); p = plan(fn, *args, devices=8, hardware='h100', level='fast')\n"
         "print(json.dumps([time.perf_counter() - t, list(p.notes)]))"
     )
+    out = subprocess.run(
+        [sys.executable, "-c", code.format(root=root, name=name)], capture_output=True, text=True, check=True
+    )
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def plantime(names) -> None:
+    from tests.corpus import CORPUS
+
     print("| model | fast plan, 8 devices (s), median of 3 | the guard | where the time went |")
     print("|---|---|---|---|")
     for name in names or CORPUS:
-        runs = []
-        for _ in range(3):
-            out = subprocess.run(
-                [sys.executable, "-c", code.format(root=ROOT, name=name)], capture_output=True, text=True, check=True
-            )
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        seconds, notes = sorted(runs)[1]
+        seconds, notes = sorted(_planned(ROOT, name) for _ in range(3))[1]
         guard = next((n.split(":")[0] for n in notes if n.startswith(("compiled the top", "compile check"))), "not run")
         print(f"| {name} | {seconds:.2f} | {guard} | {notes[-1].removeprefix('time: ')} |", flush=True)
+
+
+def ab(base: str, names) -> None:
+    from tests.corpus import CORPUS
+
+    print("| model | round | base (s) | this (s) | this / base | this: where the time went |")
+    print("|---|---|---|---|---|---|")
+    for name in names or CORPUS:
+        for r in range(3):
+            runs = {}
+            for root in (base, ROOT) if r % 2 == 0 else (ROOT, base):
+                runs[root] = _planned(root, name)
+            (b, _), (t, notes) = runs[base], runs[ROOT]
+            print(
+                f"| {name} | {r + 1} | {b:.2f} | {t:.2f} | {t / b:.2f} | {notes[-1].removeprefix('time: ')} |",
+                flush=True,
+            )
+
+
+def digests(devices: int, layers: int, names) -> None:
+    import hashlib
+
+    from partitioner import tactics
+    from partitioner.search import search
+    from tests.corpus import CORPUS, load
+
+    count, propagate = [0], tactics.propagate
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return propagate(*args, **kwargs)
+
+    tactics.propagate = counted
+    print("| model | plan | digest | predicted (ms) | propagations |")
+    print("|---|---|---|---|---|")
+    for name in names or CORPUS:
+        module, options = load(name)
+        fn, args = module.build(layers=layers, **options)
+        count[0] = 0
+        plan, _ = search(fn, *args, devices=devices, hardware="h100", compile_check=False)
+        text = json.dumps([plan.to_dict()["in_specs"], plan.mesh], sort_keys=True)
+        digest = hashlib.md5(text.encode()).hexdigest()[:8]
+        ms = plan.cost.total_seconds * 1e3
+        print(f"| {name} | {plan.tactic} {plan.describe()} | {digest} | {ms:.3f} | {count[0]} |", flush=True)
 
 
 def large() -> None:
@@ -140,4 +193,6 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]
     jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names)}
+    jobs["ab"] = lambda: ab(names[0], names[1:])
+    jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()
