@@ -7,6 +7,8 @@
     seed = 0                       # optional
     hardware = "cpu"               # optional: the profile plans are priced with (h100, tpu-v5p, ...)
     planner = "fast"               # optional: the search's level, "fast" or "thorough"; or "shapes" (dp/fsdp from shapes)
+    priority = 0                   # optional: on a shared cluster, higher runs first and may shrink lower ones
+    queue = "default"              # optional: the fleet queue whose quota of hosts the job counts against
     [hosts]
     min = 2
     max = 4
@@ -65,6 +67,8 @@ class JobSpec:
     seed: int = 0
     hardware: str = "cpu"
     planner: str = "fast"
+    priority: int = 0  # among jobs sharing a cluster (fleet.policy): higher first
+    queue: str = "default"  # the fleet queue whose host quota the job counts against
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def settings(self):
@@ -93,6 +97,8 @@ _SCHEMA: dict[str, Any] = {
     "seed": (int, 0),
     "hardware": (str, "cpu"),
     "planner": (str, "fast"),
+    "priority": (int, 0),
+    "queue": (str, "default"),
     "hosts": {"min": int, "max": int, "devices_per_host": int},
     "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0), "memory_budget": (float, 0.05)},
 }
@@ -125,6 +131,8 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
         seed=values["seed"],
         hardware=values["hardware"],
         planner=values["planner"],
+        priority=values["priority"],
+        queue=values["queue"],
         hosts=hosts,
         checkpoint=CheckpointSpec(**ckpt),
         options=options,
@@ -191,6 +199,7 @@ def _check_values(job: JobSpec, source: str) -> None:
     need(job.steps > 0, f"key steps must be positive, got {job.steps}")
     need(job.planner in PLANNERS, f"key planner must be one of {PLANNERS}, got {job.planner!r}")
     need(job.global_batch > 0, f"key global_batch must be positive, got {job.global_batch}")
+    need(bool(job.queue.strip()), f"key queue must name a fleet queue, got {job.queue!r}")
     need(
         1 <= job.hosts.min <= job.hosts.max,
         f"keys hosts.min and hosts.max need 1 <= min <= max, got min={job.hosts.min} max={job.hosts.max}",

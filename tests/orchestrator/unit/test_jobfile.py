@@ -33,6 +33,8 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
     assert job.planner == "fast" and parse_job(with_(planner="thorough")).planner == "thorough"
     assert job.checkpoint.dir == str(tmp_path / "ck")
     assert job.hosts.devices_per_host == 2
+    assert job.priority == 0 and job.queue == "default"
+    assert parse_job(with_(priority=7, queue="research")).priority == 7
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,9 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
         ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
         ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
         ({"options": "train.bin"}, ["options must be a table ([options])", "str 'train.bin'"]),
+        ({"priority": "high"}, ["key priority must be int, got str 'high'"]),
+        ({"priority": 1.5}, ["key priority must be int, got float 1.5"]),
+        ({"queue": " "}, ["key queue must name a fleet queue, got ' '"]),
     ],
 )
 def test_bad_job_files_name_the_key(changes, words):
