@@ -13,6 +13,7 @@ from ..control.controller import ControllerConfig, JobController
 from ..control.planning import PlanCache, program_fingerprint
 from ..fleet.store import FleetStoreConfig
 from ..job.jobfile import JobSpec
+from ..job.lock import RunLock
 from ..job.program import check_program, importable_from_here, load_program
 from ..metrics import RayMetrics
 from ..telemetry.console import Console, ConsoleCallback
@@ -50,7 +51,8 @@ def run_job(
     model_flops = step_flops(program.step, (state, batch))["model_flops"]  # once, for every host's MFU
     config = _with_job_paths(config or ControllerConfig(), job)
     committed = lambda: _committed_step(job.checkpoint.dir)
-    with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console
+    with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console, then the lock
+        stack.enter_context(RunLock(job.checkpoint.dir, job=job.name, run=os.environ.get("REMESH_RUN_ID", "")))
         cluster, printer = _cluster(job, stack, committed() >= job.steps, address, hosts, printer)
         keepers, standby = _keepers_and_standby(job, config, cluster, stack, address)
         recorder = Recorder()
