@@ -1,0 +1,265 @@
+"""The fleet scheduler: one detached Ray actor per cluster with which every job on it registers.
+
+It keeps the queue and decides with `policy.allocate` whenever a job registers, reports, gives
+hosts back or ends, and whenever hosts come and go; it executes the decision by reserving hosts
+in Ray. Each host granted to a job is a placement group of one `remesh_host` bundle that this
+actor creates: nothing but the scheduler takes `remesh_host`, so a host reserved for a job is
+that job's until it gives it back, and a job's host actors (standby ones too) run in its bundles.
+A reservation for hosts another job still holds waits in Ray until that job gives them back:
+a job is told to run only on reservations Ray has placed, so it never grows into a host before
+the host is its own.
+
+The controllers speak to it in plain dicts (`Registration`, `Grant`), so that a scheduler
+started by one version of remesh answers another's jobs. A job that stops reporting for
+`FleetSchedulerConfig.lost_after_s` (its driver died) is dropped and its hosts freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from .config import check_queue
+from .policy import FleetPolicyConfig, JobView, Quota, allocate
+
+NAME, NAMESPACE = "remesh-fleet", "remesh"
+HOST_RESOURCE = "remesh_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    run: str  # the submission's id: one per attempt at a job
+    job: str
+    priority: int
+    queue: str
+    min_hosts: int
+    max_hosts: int
+    checkpoint_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """What a job may do now: run on `target` hosts, on the reserved `hosts` (node id, placement
+    group id) that Ray has placed; `state` "queued" (target 0: wait, or give every host back)
+    or "running"; `reason`: why it holds fewer than its maximum."""
+
+    run: str
+    state: str
+    target: int
+    hosts: tuple[tuple[str, str], ...]
+    reason: str
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Grant:
+        return cls(d["run"], d["state"], d["target"], tuple(tuple(h) for h in d["hosts"]), d["reason"])
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetSchedulerConfig:
+    lost_after_s: float = 60.0  # a job silent this long has lost its driver
+    quotas: dict = dataclasses.field(default_factory=lambda: {"default": None})  # queue -> hosts or None
+
+
+@dataclasses.dataclass
+class _Entry:
+    reg: Registration
+    arrival: int
+    seen: float
+    target: int = 0
+    reason: str = ""
+    since_snapshot: int = 0
+    smaller_ready: bool = False
+    shrink: str = ""  # why it was asked to give hosts back, until it has
+    waiting_since: float | None = None  # queued (or suspended) since then
+    pgs: dict = dataclasses.field(default_factory=dict)  # placement group id -> handle
+
+
+class FleetScheduler:
+    """The actor's class (`start` makes the actor)."""
+
+    def __init__(self, config: dict):
+        self.config = FleetSchedulerConfig(**config)
+        self.policy = FleetPolicyConfig({q: Quota(n) for q, n in self.config.quotas.items()})
+        self.jobs: dict[str, _Entry] = {}
+        self._arrivals = itertools.count()
+
+    # -- what controllers call ----------------------------------------------------------------
+    def register(self, registration: dict) -> dict:
+        reg = Registration(**registration)
+        check_queue(self.policy, reg.queue, reg.min_hosts, reg.job)
+        held = [e for e in self.jobs.values() if e.reg.checkpoint_dir == reg.checkpoint_dir and e.reg.run != reg.run]
+        if held:
+            raise ValueError(
+                f"checkpoint directory {reg.checkpoint_dir} is in use by run {held[0].reg.run} of job "
+                f"{held[0].reg.job!r} on this cluster: one run per checkpoint directory at a time"
+            )
+        if reg.run not in self.jobs:
+            self.jobs[reg.run] = _Entry(reg, next(self._arrivals), time.monotonic())
+        return self._decide_and_grant(reg.run)
+
+    def report(self, run: str, since_snapshot: int = 0, smaller_ready: bool = False) -> dict:
+        """A job's heartbeat, with what a shrink would cost it now; returns its grant."""
+        entry = self._entry(run)
+        entry.seen, entry.since_snapshot, entry.smaller_ready = time.monotonic(), since_snapshot, smaller_ready
+        return self._decide_and_grant(run)
+
+    def release(self, run: str, node_ids: list[str]) -> dict:
+        """The job stopped its host actors on `node_ids`: their reservations end."""
+        import ray
+
+        entry = self._entry(run)
+        for pg_id, pg in list(entry.pgs.items()):
+            if _node_of(pg) in node_ids:
+                ray.util.remove_placement_group(pg)
+                del entry.pgs[pg_id]
+        return self._decide_and_grant(run)
+
+    def finish(self, run: str) -> None:
+        entry = self.jobs.pop(run, None)
+        if entry is not None:
+            _remove_all(entry)
+            self._decide()
+
+    def queue(self) -> list[dict]:
+        """Every job, running first, then waiting in the order it would be admitted."""
+        self._decide()
+        now, out = time.monotonic(), []
+        for e in sorted(self.jobs.values(), key=lambda e: (e.target == 0, -e.reg.priority, e.arrival)):
+            out.append(
+                {
+                    **dataclasses.asdict(e.reg),
+                    "state": "running" if e.target else "queued",
+                    "hosts": len(_placed(e)),
+                    "target": e.target,
+                    "reason": e.shrink or e.reason,
+                    "waiting_s": round(now - e.waiting_since, 1) if e.waiting_since is not None else 0.0,
+                }
+            )
+        return out
+
+    def hosts(self) -> dict:
+        """Live hosts, and which job holds each (node id -> run, or "" when idle)."""
+        held = {_node_of(pg): run for run, e in self.jobs.items() for pg in _placed(e).values()}
+        return {node: held.get(node, "") for node in _alive_hosts()}
+
+    # -- deciding and reserving ---------------------------------------------------------------
+    def _entry(self, run: str) -> _Entry:
+        try:
+            return self.jobs[run]
+        except KeyError:
+            raise ValueError(
+                f"run {run!r} is not registered with the fleet (it ended, or was dropped as lost)"
+            ) from None
+
+    def _decide_and_grant(self, run: str) -> dict:
+        self._decide()
+        e = self.jobs[run]
+        hosts = tuple(sorted((_node_of(pg), pg_id) for pg_id, pg in _placed(e).items()))
+        state = "running" if e.target else "queued"
+        return dataclasses.asdict(Grant(run, state, e.target, hosts, e.shrink or e.reason))
+
+    def _decide(self) -> None:
+        now = time.monotonic()
+        for run in [r for r, e in self.jobs.items() if now - e.seen > self.config.lost_after_s]:
+            _remove_all(self.jobs.pop(run))
+        views = [
+            JobView(
+                run,
+                e.reg.priority,
+                e.reg.queue,
+                e.reg.min_hosts,
+                e.reg.max_hosts,
+                e.arrival,
+                e.target,
+                e.since_snapshot,
+                e.smaller_ready,
+            )  # fmt: skip
+            for run, e in self.jobs.items()
+        ]
+        decided = allocate(views, len(_alive_hosts()), self.policy)
+        for run, e in self.jobs.items():
+            target, reason = decided.hosts[run], decided.reasons.get(run, "")
+            if target < e.target:
+                e.shrink = reason  # said until the job has given the hosts back
+            if target == 0 and e.waiting_since is None:
+                e.waiting_since = now
+            elif target > 0:
+                e.waiting_since = None
+            e.target, e.reason = target, reason
+            _reserve(e)
+            if e.shrink and len(_placed(e)) <= e.target:
+                e.shrink = ""
+
+
+def _reserve(e: _Entry) -> None:
+    """Placement groups for `e.target` hosts: new ones where it has fewer (Ray places each when
+    a host is free), pending ones dropped first where it has more (placed ones it gives back)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pending = [pg_id for pg_id, pg in e.pgs.items() if not _ready(pg)]
+    while len(e.pgs) > e.target and pending:
+        ray.util.remove_placement_group(e.pgs.pop(pending.pop()))
+    while len(e.pgs) < e.target:
+        # Named for whoever reads `ray list placement-groups`; names must be unique.
+        pg = placement_group(
+            [{HOST_RESOURCE: 1}], strategy="STRICT_PACK", name=f"remesh:{e.reg.run}:{len(e.pgs)}:{_tag()}"
+        )
+        e.pgs[pg.id.hex()] = pg
+
+
+def _tag() -> str:
+    import secrets
+
+    return secrets.token_hex(3)
+
+
+def _placed(e: _Entry) -> dict:
+    return {pg_id: pg for pg_id, pg in e.pgs.items() if _ready(pg)}
+
+
+def _ready(pg) -> bool:
+    """Placed by Ray (and not being placed again after its node died)."""
+    from ray.util import placement_group_table
+
+    return placement_group_table(pg)["state"] == "CREATED"
+
+
+def _node_of(pg) -> str:
+    from ray.util import placement_group_table
+
+    return placement_group_table(pg)["bundles_to_node_id"].get(0, "")
+
+
+def _remove_all(e: _Entry) -> None:
+    import ray
+
+    for pg in e.pgs.values():
+        ray.util.remove_placement_group(pg)
+    e.pgs.clear()
+
+
+def _alive_hosts() -> list[str]:
+    import ray
+
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(HOST_RESOURCE))
+
+
+def start(config: FleetSchedulerConfig | None = None):
+    """The cluster's scheduler: the one running, else one started now (detached, on the head
+    node, so that it outlives the job that started it and no host's loss takes it)."""
+    import ray
+
+    config = config or FleetSchedulerConfig()
+    cls = ray.remote(FleetScheduler)
+    return cls.options(
+        name=NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+        resources={"node:__internal_head__": 0.001},
+        scheduling_strategy="DEFAULT",  # not in the placement group of whoever starts it
+    ).remote(dataclasses.asdict(config))

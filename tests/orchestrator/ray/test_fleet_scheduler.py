@@ -1,0 +1,110 @@
+"""The fleet scheduler actor on a real Ray cluster of 4 emulated hosts: admission, a shrink for a
+higher priority, hosts reserved in Ray and handed over only once given back, growth back, queues
+and quotas, and a job whose driver went silent dropped."""
+
+import time
+
+import pytest
+import ray
+
+from orchestrator.fleet.scheduler import FleetSchedulerConfig, Grant, start
+from orchestrator.hosts.cluster import LocalClusterConfig
+
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalClusterConfig(hosts=4, devices_per_host=1).create()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def fleet(cluster, request):
+    lost_after_s = getattr(request, "param", 60.0)
+    actor = start(FleetSchedulerConfig(lost_after_s=lost_after_s, quotas={"default": None, "research": 1}))
+    yield actor
+    ray.kill(actor)
+
+
+def registration(run, priority=0, min_hosts=1, max_hosts=4, queue="default"):
+    return dict(run=run, job=run.split("-")[0], priority=priority, queue=queue, min_hosts=min_hosts,
+                max_hosts=max_hosts, checkpoint_dir=f"/ckpt/{run}")  # fmt: skip
+
+
+def until(fleet, run, placed, what):
+    """The job's grant once Ray has placed `placed` of its hosts (bounded: DEADLINE_S)."""
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        grant = Grant.from_dict(ray.get(fleet.report.remote(run)))
+        if len(grant.hosts) == placed or time.monotonic() > end:
+            assert len(grant.hosts) == placed, f"{what}: {grant}"
+            return grant
+        time.sleep(0.05)
+
+
+def no_host_held_twice(fleet):
+    held = ray.get(fleet.hosts.remote())
+    assert len(held) == 4
+    return held
+
+
+def test_a_higher_priority_job_takes_hosts_only_once_the_lower_one_gives_them_back(fleet):
+    low = Grant.from_dict(ray.get(fleet.register.remote(registration("low-1"))))
+    assert low.state == "running" and low.target == 4
+    low = until(fleet, "low-1", 4, "the low job alone gets every host")
+    high = Grant.from_dict(ray.get(fleet.register.remote(registration("high-1", priority=5, min_hosts=2, max_hosts=2))))
+    assert high.state == "running" and high.target == 2 and high.hosts == ()  # reserved, not yet free
+    low = until(fleet, "low-1", 4, "the low job still holds its hosts until it gives them back")
+    assert low.target == 2 and low.reason == "shrunk to 2 of 4 hosts for a job of higher priority"
+    assert set(no_host_held_twice(fleet).values()) == {"low-1"}
+    given = [node for node, _ in low.hosts[:2]]
+    low = Grant.from_dict(ray.get(fleet.release.remote("low-1", given)))
+    assert len(low.hosts) == 2 and not {n for n, _ in low.hosts} & set(given)
+    high = until(fleet, "high-1", 2, "the high job gets the hosts given back")
+    assert {n for n, _ in high.hosts} == set(given)
+    held = no_host_held_twice(fleet)
+    assert sorted(held.values()) == ["high-1", "high-1", "low-1", "low-1"]
+    queue = ray.get(fleet.queue.remote())
+    assert [(q["run"], q["state"], q["hosts"]) for q in queue] == [("high-1", "running", 2), ("low-1", "running", 2)]
+    ray.get(fleet.finish.remote("high-1"))
+    low = until(fleet, "low-1", 4, "the low job grows back into the freed hosts")
+    assert low.target == 4 and set(no_host_held_twice(fleet).values()) == {"low-1"}
+    ray.get(fleet.finish.remote("low-1"))
+    assert set(no_host_held_twice(fleet).values()) == {""}
+
+
+def test_quotas_unknown_queues_and_a_shared_checkpoint_directory(fleet):
+    first = Grant.from_dict(ray.get(fleet.register.remote(registration("r1-1", queue="research", max_hosts=2))))
+    assert first.target == 1  # the queue's quota
+    second = Grant.from_dict(ray.get(fleet.register.remote(registration("r2-1", queue="research", max_hosts=2))))
+    assert second.state == "queued" and second.reason == (
+        "queue 'research' is at its quota: 1 of 1 hosts held, 1 more needed"
+    )
+    time.sleep(0.2)
+    waiting = {q["run"]: q for q in ray.get(fleet.queue.remote())}["r2-1"]
+    assert waiting["state"] == "queued" and waiting["hosts"] == 0 and waiting["waiting_s"] >= 0.2
+    with pytest.raises(ray.exceptions.RayTaskError, match="names queue 'nope', which the fleet does not have"):
+        ray.get(fleet.register.remote(registration("x-1", queue="nope")))
+    same_dir = dict(registration("r1-2"), checkpoint_dir="/ckpt/r1-1")
+    with pytest.raises(ray.exceptions.RayTaskError, match="is in use by run r1-1 of job 'r1'"):
+        ray.get(fleet.register.remote(same_dir))
+    for run in ("r1-1", "r2-1"):
+        ray.get(fleet.finish.remote(run))
+
+
+@pytest.mark.parametrize("fleet", [2.0], indirect=True)  # a job silent for 2 s is lost
+def test_a_job_that_stops_reporting_is_dropped_and_its_hosts_freed(fleet):
+    ray.get(fleet.register.remote(registration("gone-1", max_hosts=4)))
+    until(fleet, "gone-1", 4, "placed")
+    other = Grant.from_dict(ray.get(fleet.register.remote(registration("next-1", min_hosts=2, max_hosts=2))))
+    assert other.state == "queued"  # equal priority: waits for hosts
+    end = time.monotonic() + DEADLINE_S
+    while other.state == "queued" and time.monotonic() < end:  # `gone` never reports again
+        time.sleep(0.5)
+        other = Grant.from_dict(ray.get(fleet.report.remote("next-1")))
+    assert other.state == "running"
+    with pytest.raises(ray.exceptions.RayTaskError, match="run 'gone-1' is not registered with the fleet"):
+        ray.get(fleet.report.remote("gone-1"))
+    ray.get(fleet.finish.remote("next-1"))
