@@ -51,6 +51,12 @@ def _add_submit(sub) -> None:
     submit.add_argument("--store", help="fleet store path as the head node sees it")
     submit.add_argument("--summary", help="where the head node writes the run summary (JSON)")
     submit.add_argument("--chaos", help="fault injection that needs no control of nodes: slow@S[:H] (a straggler)")
+    submit.add_argument("--hosts", type=int, help="run on at most this many hosts (default: the job file's hosts.max)")
+    submit.add_argument(
+        "--stop-file",
+        help="a preemption notice, as the head node sees the path: when this file appears, commit the step "
+        "reached and stop (as remesh run --stop-file)",
+    )
 
 
 def _add_submitted(sub) -> None:
@@ -181,6 +187,8 @@ def _submit(args) -> int:
             working_dir=args.working_dir,
             store=args.store,
             summary=args.summary,
+            hosts=args.hosts,
+            stop_file=args.stop_file,
         ),
         chaos=args.chaos,
     )

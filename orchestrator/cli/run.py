@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 from ..control.controller import ControllerConfig, JobController
 from ..control.planning import PlanCache, program_fingerprint
@@ -51,14 +52,16 @@ def run_job(
     model_flops = step_flops(program.step, (state, batch))["model_flops"]  # once, for every host's MFU
     config = _with_job_paths(config or ControllerConfig(), job)
     committed = lambda: _committed_step(job.checkpoint.dir)
+    run_id = os.environ.get("REMESH_RUN_ID") or f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
     with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console, then the lock
-        stack.enter_context(RunLock(job.checkpoint.dir, job=job.name, run=os.environ.get("REMESH_RUN_ID", "")))
-        cluster, printer = _cluster(job, stack, committed() >= job.steps, address, hosts, printer)
+        stack.enter_context(RunLock(job.checkpoint.dir, job=job.name, run=run_id))
+        cluster, printer = _cluster(job, stack, committed() >= job.steps, address, hosts, printer, run_id)
         keepers, standby = _keepers_and_standby(job, config, cluster, stack, address)
         recorder = Recorder()
         if store is not None:
             name = cluster_name or os.environ.get("REMESH_CLUSTER") or _cluster_name(address)
-            recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics(), step_rows=store.step_rows)
+            recorder = FleetRecorder(store.open(), job, cluster=name, metrics=RayMetrics(), step_rows=store.step_rows,
+                                     submission=run_id)  # fmt: skip
         goodput = GoodputCallback()
         summary = SummaryCallback(goodput)
         callbacks = [goodput, summary, RecorderCallback(recorder, goodput, summary), ConsoleCallback(printer)]
@@ -88,14 +91,21 @@ def job_planner(job: JobSpec, step, state, batch):
     return planner
 
 
-def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: int | None, printer):
-    """The cluster to run on, its shutdown on `stack`, and where the controller's lines go."""
-    from ..hosts.cluster import LocalClusterConfig, RayCluster
+def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: int | None, printer, run_id: str):
+    """The cluster to run on, its shutdown on `stack`, and where the controller's lines go. On a
+    running cluster (`address`) the job registers with the cluster's fleet scheduler, which
+    grants it hosts beside the other jobs there (started now if none runs)."""
+    from ..hosts.cluster import LocalClusterConfig
 
     if finished:
         cluster = _NoHosts()  # a finished job: the controller ends it before asking for hosts
     elif address:
-        cluster = RayCluster(address)
+        from ..fleet.scheduler import Registration
+        from ..hosts.fleet import FleetCluster
+
+        low, high = job.hosts.min, min(job.hosts.max, hosts or job.hosts.max)
+        registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir)
+        cluster = FleetCluster(address, registration)
     else:
         if printer is None:
             log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")

@@ -36,6 +36,8 @@ class SubmitConfig:
     working_dir: str | None = None  # upload this directory as the job's working directory
     store: str | None = None  # fleet store path as the head node sees it (default: the head's default)
     summary: str | None = None  # where the head node writes the run summary
+    hosts: int | None = None  # at most this many hosts (default: the job file's hosts.max)
+    stop_file: str | None = None  # a preemption notice, as the head node sees the path (`remesh run --stop-file`)
 
 
 def client(address: str):
@@ -88,11 +90,18 @@ def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> 
         args += ["--summary", config.summary]
     if chaos:
         args += ["--chaos", chaos]
+    if config.hosts:
+        args += ["--hosts", str(config.hosts)]
+    if config.stop_file:
+        args += ["--stop-file", config.stop_file]
     submission_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
+    # The run records itself under its submission id, so status finds this submission, not the
+    # latest run of the job's name.
+    runtime_env["env_vars"] = {"REMESH_RUN_ID": submission_id}
     return client(config.address).submit_job(
         entrypoint=cd + shlex.join(args),
         submission_id=submission_id,
-        runtime_env=runtime_env or None,
+        runtime_env=runtime_env,
         metadata={METADATA_KEY: job.name},
     )
 
@@ -153,8 +162,9 @@ def status(address: str, submission_id: str, *, store: str | None = None, dashbo
     info = _job(c, submission_id, "get_job_info")
     name = (info.metadata or {}).get(METADATA_KEY) or submission_id
     return JobStatus(
-        submission_id, name, str(info.status.value), info.message or "", remesh_state(name, store, dashboard)
-    )
+        submission_id, name, str(info.status.value), info.message or "",
+        remesh_state(name, store, dashboard, submission_id),
+    )  # fmt: skip
 
 
 def list_jobs(address: str, *, store: str | None = None, dashboard: str | None = None) -> list[JobStatus]:
@@ -163,18 +173,19 @@ def list_jobs(address: str, *, store: str | None = None, dashboard: str | None =
     for info in c.list_jobs():
         name = (info.metadata or {}).get(METADATA_KEY)
         if name and info.submission_id:
-            remesh = remesh_state(name, store, dashboard)
+            remesh = remesh_state(name, store, dashboard, info.submission_id)
             out.append(JobStatus(info.submission_id, name, str(info.status.value), info.message or "", remesh))
     return out
 
 
-def remesh_state(name: str, store: str | None = None, dashboard: str | None = None) -> dict:
-    """Job `name`'s latest run as the fleet store holds it ({} where it holds none): from the
-    dashboard at `dashboard` when given, else from the store file (default: `default_path()`)."""
-    return _from_dashboard(name, dashboard) if dashboard else _from_store(name, store)
+def remesh_state(name: str, store: str | None = None, dashboard: str | None = None, submission: str = "") -> dict:
+    """The run submitted as `submission` as the fleet store holds it (without one, job `name`'s
+    latest run; {} where it holds none): from the dashboard at `dashboard` when given, else from
+    the store file (default: `default_path()`)."""
+    return _from_dashboard(name, dashboard, submission) if dashboard else _from_store(name, store, submission)
 
 
-def _from_store(name: str, store: str | None) -> dict:
+def _from_store(name: str, store: str | None, submission: str = "") -> dict:
     from ..fleet.store import FleetStore, default_path
 
     path = store or default_path()
@@ -182,18 +193,19 @@ def _from_store(name: str, store: str | None) -> dict:
         return {}
     s = FleetStore(path)
     try:
-        return s.job(name) or {}
+        return (s.submitted(submission) if submission else s.job(name)) or {}
     finally:
         s.close()
 
 
-def _from_dashboard(name: str, url: str) -> dict:
+def _from_dashboard(name: str, url: str, submission: str = "") -> dict:
     import json
     import urllib.error
     import urllib.parse
     import urllib.request
 
-    address = f"{url.rstrip('/')}/api/jobs/{urllib.parse.quote(name, safe='')}?points=1"
+    query = f"&submission={urllib.parse.quote(submission, safe='')}" if submission else ""
+    address = f"{url.rstrip('/')}/api/jobs/{urllib.parse.quote(name, safe='')}?points=1{query}"
     try:
         with urllib.request.urlopen(address, timeout=10) as r:
             return json.load(r)["job"]

@@ -27,6 +27,7 @@ from .state import (
     Finished,
     Phase,
     Planning,
+    Queued,
     Recovery,
     Running,
     Segment,
@@ -54,6 +55,9 @@ class ControllerConfig:
     # watcher), the job stops as on SIGTERM; the file is removed, so a re-run trains on.
     stop_file: str | None = None
     env_vars: dict = dataclasses.field(default_factory=dict)
+    # On a shared cluster: how long to wait for granted hosts that another job has not given back
+    # yet before starting on fewer (at least hosts.min); the wait is said in the job's status.
+    reserve_wait_s: float = 30.0
 
 
 class JobController:
@@ -86,12 +90,17 @@ class JobController:
         self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
         self.committed, self.snapshots, self.standby = committed, snapshots, standby
         self.callbacks = Callbacks(callbacks)
+        # A cluster shared through the fleet scheduler grants this job its hosts (hosts/fleet.py).
+        self.fleet = cluster if hasattr(cluster, "release") else None
+        if self.fleet is not None:
+            self.fleet.progress = self._fleet_progress
         self.state: State = Planning()
         self.step_reached = 0  # the highest step known done: reported, or restored (a resumed run starts there)
         self.segments: list[Segment] = []
         self.started_wall, self._t0 = wall(), clock()
         self.group: HostGroup | None = None
         self._stop_request: str | None = None  # a stop asked for (a signal), not yet begun
+        self._shrunk_at: int | None = None  # the step reached when the fleet last asked for hosts back
         # The reports that change the controller's own data; every report goes to the callbacks.
         self._handlers = {
             Step: self._stepped,
@@ -118,7 +127,8 @@ class JobController:
         state = self.state
         if self._stop_request and isinstance(state, Running):
             return self._set(self._begin_stop(state))
-        handler = {Planning: self._planning, Starting: self._starting, Running: self._running, Stopping: self._stopping}
+        handler = {Planning: self._planning, Starting: self._starting, Running: self._running, Stopping: self._stopping,
+                   Queued: self._queued}  # fmt: skip
         return self._set(handler[type(state)](state))
 
     def _set(self, state: State) -> Phase:
@@ -163,7 +173,12 @@ class JobController:
                 )
         available = len(self.cluster.alive_hosts())
         target = state.target
-        if target is None:
+        if self.fleet is not None:
+            granted = self._granted(self.clock(), state.recovery, accept=state.target)
+            if isinstance(granted, Queued):
+                return granted
+            target, available = granted, granted
+        elif target is None:
             decision = self.scaling.initial(available)
             if isinstance(decision, policies.Fail):
                 return Failed(decision.reason)
@@ -185,11 +200,63 @@ class JobController:
         only wait on the others, so it is not started."""
         return min(target, -(-plan.devices_used // self.job.hosts.devices_per_host))
 
+    # -- Queued (a shared cluster) ------------------------------------------------------------
+    def _granted(self, since: float, recovery: Recovery | None, accept: int | None = None) -> int | Queued:
+        """The hosts the fleet scheduler grants this job and has placed for it, giving back any
+        beyond the grant; or the wait, with its reason. Granted hosts that another job still
+        holds are waited for `reserve_wait_s`, then the job starts on those it has (at least
+        hosts.min); `accept`: a count already settled for (after that wait, or by the failure
+        policy after a host loss), taken if that many are placed."""
+        grant = self.fleet.report()
+        alive = self.fleet.alive_hosts()
+        if len(alive) > grant.target:
+            grant = self.fleet.release(alive[grant.target :])  # shrunk or suspended: give the rest back
+            alive = alive[: grant.target]
+        if grant.target == 0:
+            return self._queue(grant.reason or "waiting for hosts", since, recovery)
+        if len(alive) >= grant.target:
+            return grant.target
+        if accept is not None and self.job.hosts.min <= accept <= len(alive):
+            return accept
+        if len(alive) >= self.job.hosts.min and self.clock() - since >= self.config.reserve_wait_s:
+            return len(alive)
+        reason = (f"waiting for hosts: {len(alive)} of the {grant.target} granted are free, the rest still held "
+                  "by jobs that are giving them back")  # fmt: skip
+        return self._queue(reason, since, recovery)
+
+    def _queue(self, reason: str, since: float, recovery: Recovery | None) -> Queued:
+        previous = self.state
+        if not isinstance(previous, Queued) or previous.reason != reason:
+            self._event(EventKind.QUEUED, reason=reason)
+        if isinstance(previous, Queued) and previous.reason == reason:
+            return previous
+        return Queued(reason, since, recovery)
+
+    def _queued(self, state: Queued) -> State:
+        self.callbacks.on_poll(self)
+        self.sleep(self.config.host_check_interval_s)
+        granted = self._granted(state.since, state.recovery)
+        if isinstance(granted, Queued):
+            return granted
+        self._event(EventKind.ADMITTED, hosts=granted, waited=round(self.clock() - state.since, 3))
+        return Planning(granted, state.recovery)
+
+    def _fleet_progress(self) -> tuple[int, bool]:
+        """What a shrink would cost this job now: steps since its last snapshot or commit (computed
+        again), and whether a plan for one host fewer is made."""
+        every = (self.segment.snapshot_every if self.segment else 0) or self.job.checkpoint.every
+        hosts = self.segment.hosts if self.segment else 0
+        smaller = hosts > 1 and self.plans.has((hosts - 1) * self.job.hosts.devices_per_host)
+        return self.step_reached % every, smaller
+
     # -- Starting ----------------------------------------------------------------------------
     def _starting(self, state: Starting) -> State:
         t = self.clock()
+        placed = {}
+        if self.fleet is not None:  # the hosts the fleet scheduler reserved for this job
+            placed = {"placements": self.fleet.placements(self.fleet.alive_hosts()[: state.hosts])}
         try:
-            self.group = self.group_cls(state.hosts, HostGroupConfig(env_vars=self._host_env()), self.standby)
+            self.group = self.group_cls(state.hosts, HostGroupConfig(env_vars=self._host_env()), self.standby, **placed)
         except HostsUnavailableError as e:
             self.callbacks.on_warning(self, f"{e}; re-planning")
             return Planning(None, state.recovery, state.stalled)
@@ -262,7 +329,10 @@ class JobController:
         if all(s.done for s in statuses):
             return self._segment_ended(state)
         self.callbacks.on_poll(self)
-        self._maybe_grow(state)
+        if self.fleet is not None:
+            self._follow_grant(state)
+        else:
+            self._maybe_grow(state)
         self.sleep(self.config.poll_interval_s)
         return state
 
@@ -284,6 +354,8 @@ class JobController:
 
     def _stepped(self, report: Step) -> None:
         self.step_reached = max(self.step_reached, report.step)
+        if self._shrunk_at is not None:
+            self._shrunk_at = max(self._shrunk_at, report.step)  # steps the stopping group still finished
         state, segment = self.state, self.segment
         if segment.first_step is None:
             segment.first_step, segment.first_step_at = report.step, round(self.now(), 3)
@@ -302,6 +374,9 @@ class JobController:
         if recovery is not None and not recovery.restored:
             extra["recomputed"] = max(0, recovery.step - report.step)  # done before the loss, computed again
             recovery.restored = True
+        elif self._shrunk_at is not None:  # likewise after a shrink the fleet asked for
+            extra["recomputed"] = max(0, self._shrunk_at - report.step)
+            self._shrunk_at = None
         self.step_reached = max(self.step_reached, report.step)  # a resumed run starts from there
         return extra
 
@@ -347,6 +422,26 @@ class JobController:
         if isinstance(decision, policies.Resize):
             state.resize, state.target = decision, decision.hosts
             self._event(EventKind.HOST_ADDED, hosts=decision.hosts)
+            self.group.request_stop()
+
+    def _follow_grant(self, state: Running) -> None:
+        """On a shared cluster, resize as the fleet scheduler grants: fewer hosts at the next step
+        boundary (the step reached is committed: at most the step in flight is computed again),
+        none (suspended) likewise, more at the next checkpoint boundary once they are placed."""
+        if state.resize or self.clock() - state.last_host_check < self.config.host_check_interval_s:
+            return
+        state.last_host_check = self.clock()
+        grant = self.fleet.report()
+        if grant.target < state.target:
+            kind = EventKind.SUSPEND if grant.target == 0 else EventKind.SHRINK
+            state.resize, state.target = policies.Resize(grant.target, grant.reason), grant.target
+            self._event(kind, hosts=grant.target, reason=grant.reason)
+            self._shrunk_at = self.step_reached  # updated as the group reports steps up to its stop
+            self.group.request_stop(now=True)
+        elif grant.target > state.target and len(self.fleet.alive_hosts()) >= grant.target:
+            reason = f"{grant.target - state.target} more host(s) granted"
+            state.resize, state.target = policies.Resize(grant.target, reason), grant.target
+            self._event(EventKind.GROW, hosts=grant.target, reason=reason)
             self.group.request_stop()
 
     def _segment_ended(self, state: Running | Stopping) -> State:

@@ -48,6 +48,10 @@ class PlanCache:
             self._plans[key] = pool.submit(self.planner, devices).result() if pool else self.planner(devices)
         return Planned(self._plans[key], cached, ahead)
 
+    def has(self, devices: int) -> bool:
+        """Whether the plan for `devices` is made (a resize to it plans nothing)."""
+        return (self.fingerprint, devices) in self._plans
+
     def plan_ahead(self, devices: int) -> None:
         """Begin planning for `devices` on the planning thread, unless planned or begun already."""
         key = (self.fingerprint, devices)

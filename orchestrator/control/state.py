@@ -7,6 +7,10 @@
     Running --segment ended without a new step--> (FailurePolicy) Planning | Failed
     Running --last step--> Finished
     Running --a stop request (a signal)--> Stopping --the step reached saved, or grace over--> Stopped
+    On a shared cluster (the fleet scheduler's grant):
+    Planning --no hosts granted, or not yet given back by another job--> Queued --granted--> Planning
+    Running --fewer hosts granted--> stop at the next step boundary --> Planning (or Queued: none)
+    Running --more hosts granted--> stop at the next checkpoint --> Planning
 
 A host loss is recovered from across several states: `Recovery` rides along from the loss to the
 first step computed past it.
@@ -29,6 +33,7 @@ class Phase(enum.Enum):
     FAILED = "failed"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    QUEUED = "queued"
 
     @property
     def is_terminal(self) -> bool:
@@ -98,6 +103,16 @@ class Planning(State):
     recovery: Recovery | None = None
     stalled: int = 0  # segments in a row that ended without a new step
     decision: Resize | Restart | None = None  # the failure policy's, after a host loss
+
+
+@dataclasses.dataclass
+class Queued(State):
+    """Waiting for the fleet scheduler to grant hosts (at the start, or suspended)."""
+
+    PHASE = Phase.QUEUED
+    reason: str
+    since: float  # controller clock: waiting since then
+    recovery: Recovery | None = None
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@
                         step times
     /api/jobs           the fleet as JSON: each job's latest run (`run` is its id, `runs` the count)
     /api/jobs/<name>    one run as JSON: its row, every run of the job, segments, events and step
-                        metrics (?run=ID: that run, default the latest; ?points=N: at most about N
-                        steps per host, evenly thinned; default 2000)
+                        metrics (?run=ID: that run, default the latest; ?submission=ID: the run
+                        submitted so; ?points=N: at most about N steps per host, evenly thinned;
+                        default 2000)
 
 Charts are drawn in the browser by plotly.js, served from the `plotly` Python package, so the
 page needs nothing from the internet. The store is read on every request: the pages refresh.
@@ -87,6 +88,13 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError as e:
                 return self._json({"error": str(e)}, HTTPStatus.BAD_REQUEST)
             with self.lock:
+                if "submission" in query:  # one submission's run (`remesh status ID --dashboard`)
+                    found = self.store.submitted(query["submission"][0])
+                    if found is None:
+                        return self._json(
+                            {"error": f"no run submitted as {query['submission'][0]!r}"}, HTTPStatus.NOT_FOUND
+                        )
+                    run = found["run"]
                 detail = job_detail(self.store, name, points, run)
             if detail is None:
                 what = f"no run {run} of job {name!r}" if run is not None else f"no job named {name!r}"

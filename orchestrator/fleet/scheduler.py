@@ -163,20 +163,9 @@ class FleetScheduler:
         now = time.monotonic()
         for run in [r for r, e in self.jobs.items() if now - e.seen > self.config.lost_after_s]:
             _remove_all(self.jobs.pop(run))
-        views = [
-            JobView(
-                run,
-                e.reg.priority,
-                e.reg.queue,
-                e.reg.min_hosts,
-                e.reg.max_hosts,
-                e.arrival,
-                e.target,
-                e.since_snapshot,
-                e.smaller_ready,
-            )  # fmt: skip
-            for run, e in self.jobs.items()
-        ]
+        # A job holds what it was granted, less what Ray no longer has placed for it: a host
+        # that died takes its reservation with it (Ray places it again where a host is free).
+        views = [_view(run, e) for run, e in self.jobs.items()]
         decided = allocate(views, len(_alive_hosts()), self.policy)
         for run, e in self.jobs.items():
             target, reason = decided.hosts[run], decided.reasons.get(run, "")
@@ -190,6 +179,14 @@ class FleetScheduler:
             _reserve(e)
             if e.shrink and len(_placed(e)) <= e.target:
                 e.shrink = ""
+
+
+def _view(run: str, e: _Entry) -> JobView:
+    held = min(e.target, len(_placed(e)))
+    r = e.reg
+    return JobView(
+        run, r.priority, r.queue, r.min_hosts, r.max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready
+    )
 
 
 def _reserve(e: _Entry) -> None:

@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS runs (
     throughput TEXT NOT NULL DEFAULT '{}',
     segments TEXT NOT NULL DEFAULT '[]',
     reason TEXT NOT NULL DEFAULT '',
+    submission TEXT NOT NULL DEFAULT '',
     step_stride INTEGER NOT NULL DEFAULT 1,
     started_at REAL NOT NULL,
     updated_at REAL NOT NULL
@@ -92,6 +93,7 @@ RUN_COLUMNS = (
     "throughput",
     "segments",
     "reason",
+    "submission",
     "started_at",
     "updated_at",
 )
@@ -156,13 +158,15 @@ class FleetStore:
         self._db.close()
 
     # -- writing -------------------------------------------------------------------------
-    def start_run(self, name: str, *, cluster: str, steps: int) -> int:
-        """A new run of job `name` (a first run, a re-run or a resume): returns its id."""
+    def start_run(self, name: str, *, cluster: str, steps: int, submission: str = "") -> int:
+        """A new run of job `name` (a first run, a re-run or a resume): returns its id.
+        `submission`: the id it was submitted under (`remesh submit`), by which status finds it."""
         now = time.time()
         with self._db:
             run = self._db.execute(
-                "INSERT INTO runs (name, cluster, state, steps, started_at, updated_at) VALUES (?, ?, 'starting', ?, ?, ?)",
-                (name, cluster, steps, now, now),
+                "INSERT INTO runs (name, cluster, state, steps, submission, started_at, updated_at) "
+                "VALUES (?, ?, 'starting', ?, ?, ?, ?)",
+                (name, cluster, steps, submission, now, now),
             ).lastrowid
         self._names[run] = name
         return run
@@ -234,6 +238,13 @@ class FleetStore:
         r = self._db.execute(
             "SELECT *, id AS run FROM runs WHERE name = ? AND (? IS NULL OR id = ?) ORDER BY id DESC LIMIT 1",
             (name, run, run),
+        ).fetchone()
+        return self._row(r) if r else None
+
+    def submitted(self, submission: str) -> dict | None:
+        """The run submitted as `submission`, or None."""
+        r = self._db.execute(
+            "SELECT *, id AS run FROM runs WHERE submission = ? ORDER BY id DESC LIMIT 1", (submission,)
         ).fetchone()
         return self._row(r) if r else None
 

@@ -81,11 +81,15 @@ def alive_hosts() -> list[str]:
 
 
 class HostGroup:
-    def __init__(self, hosts: int, config: HostGroupConfig, standby: StandbyPool | None = None):
+    def __init__(self, hosts: int, config: HostGroupConfig, standby: StandbyPool | None = None, placements=None):
+        """`placements`: one placement group per host, reserved for this job by the fleet scheduler
+        (hosts/fleet.py): the actors go there; None: a placement group of its own for the group."""
         self.size = hosts
         self.config = config
         self._pg = None
-        if standby is not None:
+        if placements is not None:
+            self.actors = [self._actor(pg, 0) for pg in placements[:hosts]]
+        elif standby is not None:
             self.actors = self._from_standby(hosts, standby)
         else:
             self.actors = self._placed(hosts)
@@ -103,15 +107,17 @@ class HostGroup:
         if not self._ready(self._pg.ready(), config.schedule_timeout_s):
             remove_placement_group(self._pg)
             raise HostsUnavailableError(f"could not place {hosts} hosts within {config.schedule_timeout_s:.0f} s")
-        return [
+        return [self._actor(self._pg, i) for i in range(hosts)]
+
+    def _actor(self, pg, bundle: int):
+        return (
             actor_cls()
             .options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": dict(config.env_vars)},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+                runtime_env={"env_vars": dict(self.config.env_vars)},
             )
             .remote()
-            for i in range(hosts)
-        ]
+        )
 
     def _from_standby(self, hosts: int, standby: StandbyPool) -> list:
         """Standby actors on `hosts` live nodes; where a node has none, one started there now."""

@@ -16,6 +16,12 @@ class EventKind(enum.StrEnum):
     HOST_LOST = "host_lost"
     HOST_ADDED = "host_added"
     REPLAN = "replan"
+    # On a shared cluster (the fleet scheduler's decisions, each with its reason):
+    QUEUED = "queued"  # waiting for hosts, at the start or suspended
+    SHRINK = "shrink"  # asked to give hosts back: stops at the next step boundary
+    GROW = "grow"  # more hosts reserved for it: grows at the next checkpoint boundary
+    SUSPEND = "suspend"  # every host asked back: commits the step reached and queues
+    ADMITTED = "admitted"  # hosts granted after waiting
 
 
 EVENT_KINDS = (*EventKind, *(kind for kind, cls in REPORTS.items() if cls.EVENT))

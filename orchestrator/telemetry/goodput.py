@@ -21,8 +21,9 @@ from ..control.state import Phase
 from ..protocol import Compile, ControllerCallback, EventKind, Step
 
 USEFUL = "useful"
-BADPUT = ("startup", "planning", "compile", "restore", "checkpoint", "input", "eval", "lost")
+BADPUT = ("queued", "startup", "planning", "compile", "restore", "checkpoint", "input", "eval", "lost")
 BADPUT_MEANING = {
+    "queued": "waiting on a shared cluster for the fleet scheduler to grant hosts (at the start, or suspended)",
     "startup": "spawning host actors, joining the jax.distributed group, loading the program, "
     "initialising state, stopping a group",
     "planning": "the partitioner's search (cached plans cost nothing)",
@@ -190,6 +191,12 @@ class GoodputCallback(ControllerCallback):
         self.ledger = Ledger(controller.started_wall)
 
     def on_state(self, controller, previous, state) -> None:
+        if state.phase is Phase.QUEUED and previous.phase is not Phase.QUEUED:
+            self.ledger.fill(controller.wall())
+            self.ledger.gap = "queued"
+        elif previous.phase is Phase.QUEUED and state.phase is not Phase.QUEUED:
+            self.ledger.fill(controller.wall(), "queued")
+            self.ledger.gap = "startup"
         if state.phase is Phase.STARTING:
             self.ledger.add("planning", *state.planning_wall)
             self.ledger.gap = "startup"  # until the new group's first report

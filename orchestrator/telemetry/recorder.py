@@ -29,9 +29,12 @@ class Recorder:
 
 
 class FleetRecorder(Recorder):
-    def __init__(self, store, job, *, cluster: str, metrics=None, flush_interval_s: float = 1.0, step_rows: int = 4096):
-        """`store`: a FleetStore; `metrics`: a RayMetrics for the job-wide gauges, or None."""
+    def __init__(self, store, job, *, cluster: str, metrics=None, flush_interval_s: float = 1.0, step_rows: int = 4096,
+                 submission: str = ""):  # fmt: skip
+        """`store`: a FleetStore; `metrics`: a RayMetrics for the job-wide gauges, or None;
+        `submission`: the id the run was submitted under."""
         self.store, self.job, self.cluster, self.metrics = store, job, cluster, metrics
+        self.submission = submission
         self.flush_interval_s = flush_interval_s
         self.step_rows = step_rows
         self._stride = 1  # rows are kept at steps divisible by it, and at each segment's first
@@ -43,7 +46,9 @@ class FleetRecorder(Recorder):
         self._last_flush = 0.0
 
     def started(self) -> None:
-        self.run = self.store.start_run(self.job.name, cluster=self.cluster, steps=self.job.steps)
+        self.run = self.store.start_run(
+            self.job.name, cluster=self.cluster, steps=self.job.steps, submission=self.submission
+        )
 
     def event(self, event: dict) -> None:
         """A summary event, its `at` in wall-clock seconds."""
@@ -129,8 +134,10 @@ class RecorderCallback(ControllerCallback):
         self.recorder.started()
 
     def on_state(self, controller, previous, state) -> None:
-        if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING:
+        queued = Phase.QUEUED in (state.phase, previous.phase)
+        if (state.phase is Phase.RUNNING and previous.phase is Phase.STARTING) or queued:
             self._status(controller)
+            self.recorder.flush()
 
     def on_report(self, controller, host, report, speaker) -> None:
         if isinstance(report, Step):
@@ -167,13 +174,14 @@ class RecorderCallback(ControllerCallback):
         goodput = summary.goodput or self.goodput.breakdown(controller)
         recent = self.goodput.throughput.recent(20)
         self.goodput.segment_medians(summary.segments)
+        held = segment is not None and controller.phase is not Phase.QUEUED
         self.recorder.status(
             state=controller.phase.value,
             steps_completed=controller.step_reached,
-            mesh=segment.mesh if segment else {},
-            hosts=segment.hosts if segment else 0,
-            devices=segment.devices if segment else 0,
-            reason=summary.reason,
+            mesh=segment.mesh if held else {},
+            hosts=segment.hosts if held else 0,
+            devices=segment.devices if held else 0,
+            reason=_reason(controller, summary),
             tokens_per_second=recent["tokens_per_second"],
             mfu=recent["mfu"],
             goodput_ratio=goodput["goodput_ratio"],
@@ -181,3 +189,14 @@ class RecorderCallback(ControllerCallback):
             throughput=summary.throughput or self.goodput.throughput.summary(),
             segments=[s.to_dict() for s in summary.segments],
         )
+
+
+def _reason(controller, summary) -> str:
+    """What the job's status says beside its state: why it waits (queued), why it runs on fewer
+    hosts than it could (a shared cluster's grant), or how it ended."""
+    if controller.phase is Phase.QUEUED:
+        return controller.state.reason
+    fleet = getattr(controller, "fleet", None)
+    if fleet is not None and controller.phase is Phase.RUNNING:
+        return fleet.grant.reason
+    return summary.reason or ""

@@ -2,7 +2,15 @@
 
 
 def gpt_job(
-    name: str, steps: int, *, max_hosts: int, checkpoint_dir: str, program="examples.gpt.model:program", options=""
+    name: str,
+    steps: int,
+    *,
+    max_hosts: int,
+    checkpoint_dir: str,
+    program="examples.gpt.model:program",
+    options="",
+    min_hosts: int = 2,
+    priority: int = 0,
 ) -> str:
     """A job file's text: batch 24 (divides every mesh the hosts give), a checkpoint every 10 steps;
     `options`: the lines of an `[options]` table."""
@@ -11,8 +19,9 @@ name = "{name}"
 program = "{program}"
 steps = {steps}
 global_batch = 24
+priority = {priority}
 [hosts]
-min = 2
+min = {min_hosts}
 max = {max_hosts}
 devices_per_host = 2
 [checkpoint]

@@ -61,9 +61,10 @@ def fake_group_cls(world, every, now):
         return {"kind": "checkpoint", "step": step, "seconds": 0.01, "at": now()}
 
     class FakeGroup:
-        def __init__(self, hosts, config, standby=None):
+        def __init__(self, hosts, config, standby=None, placements=None):
             self.size = hosts
-            self.node_ids = world.alive[:hosts]
+            self.node_ids = world.alive_hosts()[:hosts]
+            self.placements = placements
             self.stop = False
             self.step = None
             self.env = config.env_vars
@@ -137,7 +138,7 @@ def fake_plan(devices):
     )
 
 
-def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None):
+def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0):
     """A controller on `world`, and the run summary its callbacks keep; the terminal's lines go to `lines`."""
     lines = [] if lines is None else lines
     job = parse_job(
@@ -166,7 +167,9 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
         job,
         world,
         plans=PlanCache(fake_plan, "f"),
-        config=ControllerConfig(poll_interval_s=0, host_check_interval_s=0, stop_grace_s=grace),
+        config=ControllerConfig(
+            poll_interval_s=0, host_check_interval_s=0, stop_grace_s=grace, reserve_wait_s=reserve_wait_s
+        ),  # fmt: skip
         callbacks=callbacks,
         group_cls=fake_group_cls(world, 5, now),
         clock=now,
@@ -421,3 +424,95 @@ def test_running_medians_match_statistics_in_memory_bounded_by_the_spread():
     for step in range(1, 200):
         t.add(Step(step=step, loss=0.0, seconds=0.1, tokens_per_second=float(step), mfu=0.5))
     assert t.summary()["tokens_per_second"] == 100.0 and t.recent(20)["tokens_per_second"] == 189.5
+
+
+class FleetWorld(World):
+    """A shared cluster as one job sees it through the fleet scheduler: `target` hosts granted,
+    `held` the ones placed for it (given back only when it releases them)."""
+
+    def __init__(self, hosts, target=0, reason="waiting for hosts: needs 2, 0 idle"):
+        super().__init__(hosts)
+        self.target, self.reason, self.held, self.released = 0, reason, [], []
+        self.progress = lambda: (0, False)
+        self.set_target(target, reason)
+
+    def set_target(self, n, reason=""):
+        self.target, self.reason = n, reason
+        free = [h for h in self.alive if h not in self.held]
+        self.held += free[: max(0, n - len(self.held))]
+
+    @property
+    def grant(self):
+        from orchestrator.fleet.scheduler import Grant
+
+        hosts = tuple((n, f"pg-{n}") for n in self.held)
+        return Grant("t-1", "running" if self.target else "queued", self.target, hosts, self.reason)
+
+    def report(self):
+        self.progress()
+        return self.grant
+
+    def alive_hosts(self):
+        return [n for n in self.held if n in self.alive]
+
+    def placements(self, nodes):
+        return [f"pg-{n}" for n in nodes]
+
+    def release(self, nodes):
+        self.released.append(list(nodes))
+        self.held = [n for n in self.held if n not in nodes]
+        return self.grant
+
+
+def test_on_a_shared_cluster_the_job_waits_shrinks_suspends_and_resumes_as_granted():
+    world = FleetWorld(4)
+    c, s = make(world)
+    assert c.step() is Phase.QUEUED and s.events[-1]["kind"] == "queued"
+    assert s.events[-1]["reason"] == "waiting for hosts: needs 2, 0 idle"
+    assert c.step() is Phase.QUEUED and len(s.events) == 1  # still waiting, said once
+    world.set_target(4)
+    assert c.step() is Phase.PLANNING and s.events[-1]["kind"] == "admitted"
+    run_until(c, lambda: c.phase is Phase.RUNNING)
+    assert world.groups[0].placements == ["pg-node0", "pg-node1", "pg-node2", "pg-node3"]
+    run_until(c, lambda: s.steps_completed == 12)
+    world.set_target(2, "shrunk to 2 of 4 hosts for a job of higher priority")
+    c.step()
+    assert s.events[-1]["kind"] == "shrink" and s.events[-1]["reason"].startswith("shrunk to 2 of 4")
+    run_until(c, lambda: c.phase is Phase.STARTING)
+    assert world.released == [["node2", "node3"]]  # given back before the smaller group starts
+    run_until(c, lambda: c.phase is Phase.RUNNING)
+    reached = s.segments[0].last_step
+    c.step()
+    assert world.groups[-1].placements == ["pg-node0", "pg-node1"]
+    assert s.segments[1].first_step == reached + 1  # the step reached was committed: nothing again
+    assert s.recomputed_steps == [0]
+    run_until(c, lambda: s.steps_completed == 20)
+    world.set_target(0, "waiting for hosts: needs 1, 0 idle, 4 held by jobs of priority 0 or higher")
+    run_until(c, lambda: c.phase is Phase.QUEUED)
+    assert [e["kind"] for e in s.events if e["kind"] in ("suspend", "queued")][-2:] == ["suspend", "queued"]
+    assert world.released[-1] == ["node0", "node1"] and world.held == []
+    world.set_target(3)
+    c.run()
+    assert c.phase is Phase.FINISHED and s.steps_completed == 30
+    assert [seg.devices for seg in s.segments] == [8, 4, 6]
+    assert s.goodput["badput_seconds"]["queued"] > 0
+
+
+def test_granted_hosts_another_job_still_holds_are_waited_for_then_fewer_are_used():
+    world = FleetWorld(4, target=3)
+    world.held = ["node0", "node1"]  # the third granted host is still another job's
+    c, s = make(world, reserve_wait_s=3.0)
+    assert c.step() is Phase.QUEUED
+    assert s.events[-1]["reason"] == (
+        "waiting for hosts: 2 of the 3 granted are free, the rest still held by jobs that are giving them back"
+    )
+    run_until(c, lambda: c.phase is Phase.RUNNING)  # after reserve_wait_s, on the two it has (hosts.min)
+    assert s.segments[0].devices == 4 and world.groups[0].placements == ["pg-node0", "pg-node1"]
+    lonely = FleetWorld(4, target=2)
+    lonely.held = ["node0"]  # one of two: below hosts.min, so it waits however long
+    c, s = make(lonely, reserve_wait_s=3.0)
+    for _ in range(20):
+        assert c.step() is Phase.QUEUED
+    lonely.held.append("node1")  # given back at last
+    run_until(c, lambda: c.phase is Phase.RUNNING)
+    assert s.segments[0].devices == 4

@@ -83,6 +83,8 @@ def test_every_kind_has_a_report_and_the_summary_lists_the_same_events_as_before
     assert set(EVENT_KINDS) == {
         "host_lost", "host_added", "replan", "restore", "checkpoint", "compile", "group_start",
         "checkpoint_corrupt", "checkpoint_failed", "eval", "compile_ahead",
+        # and, since the fleet scheduler (issue 28), its decisions on a shared cluster:
+        "queued", "shrink", "grow", "suspend", "admitted",
     }  # fmt: skip
 
 

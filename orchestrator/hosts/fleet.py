@@ -1,0 +1,85 @@
+"""A running Ray cluster shared by several jobs through its fleet scheduler (fleet/scheduler.py):
+this job's hosts are the ones the scheduler reserved for it, its host actors run in those
+reservations, and what it no longer runs on it gives back.
+
+A thread reports to the scheduler every `FleetClusterConfig.heartbeat_s` while the job lives
+(whatever the controller is doing: a long compile must not look like a dead driver), carrying what
+a shrink would cost the job now; each report answers with the job's grant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+
+import ray
+
+from ..fleet.scheduler import FleetSchedulerConfig, Grant, Registration, start
+from .cluster import RayCluster
+from .group import alive_hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetClusterConfig:
+    heartbeat_s: float = 2.0
+    scheduler: FleetSchedulerConfig = dataclasses.field(default_factory=FleetSchedulerConfig)  # if it starts one
+
+
+class FleetCluster(RayCluster):
+    def __init__(self, address: str, registration: Registration, config: FleetClusterConfig = FleetClusterConfig()):
+        super().__init__(address)
+        self.run, self.config = registration.run, config
+        self.scheduler = start(config.scheduler)
+        self.progress: Callable[[], tuple[int, bool]] = lambda: (0, False)  # (steps since snapshot, smaller plan ready)
+        self._lock = threading.Lock()
+        self._grant = self._call("register", dataclasses.asdict(registration))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="remesh-fleet-heartbeat")
+        self._thread.start()
+
+    @property
+    def grant(self) -> Grant:
+        with self._lock:
+            return self._grant
+
+    def report(self) -> Grant:
+        since, ready = self.progress()
+        return self._call("report", self.run, since, ready)
+
+    def alive_hosts(self) -> list[str]:
+        """This job's hosts: reserved for it, placed, and alive."""
+        alive = set(alive_hosts())
+        return [node for node, _ in self.grant.hosts if node in alive]
+
+    def placements(self, node_ids: Sequence[str]) -> list:
+        """The reservation (a placement group) of each of `node_ids`, for the host actors there."""
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup
+
+        groups = dict(self.grant.hosts)
+        return [PlacementGroup(PlacementGroupID(bytes.fromhex(groups[n]))) for n in node_ids]
+
+    def release(self, node_ids: Sequence[str]) -> Grant:
+        return self._call("release", self.run, list(node_ids))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            ray.get(self.scheduler.finish.remote(self.run), timeout=30)
+        finally:
+            super().shutdown()
+
+    def _call(self, method: str, *args) -> Grant:
+        grant = Grant.from_dict(ray.get(getattr(self.scheduler, method).remote(*args), timeout=60))
+        with self._lock:
+            self._grant = grant
+        return grant
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            try:
+                self.report()
+            except Exception:  # the controller's own calls say what is wrong; the beat tries again
+                pass
