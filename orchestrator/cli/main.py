@@ -1,4 +1,4 @@
-"""The `remesh` command line: run, submit, status, logs, stop, dashboard, plan, ckpt."""
+"""The `remesh` command line: run, submit, status, logs, stop, queue, fleet, dashboard, plan, ckpt."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remesh", description="Elastic training orchestrator for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_run, _add_submit, _add_submitted, _add_dashboard, _add_plan, _add_ckpt):
+    for add in (_add_run, _add_submit, _add_submitted, _add_fleet, _add_dashboard, _add_plan, _add_ckpt):
         add(sub)
     return parser
 
@@ -77,6 +77,20 @@ def _add_submitted(sub) -> None:
             p.add_argument("--follow", "-f", action="store_true")
 
 
+def _add_fleet(sub) -> None:
+    """queue, and fleet start: the cluster's fleet scheduler."""
+    fleet_address = ADDRESS_HELP + ", or a Ray cluster address (auto, host:port) to connect to directly"
+    q = sub.add_parser("queue", help="the jobs on a shared cluster: running and queued, their hosts and why each waits")
+    q.add_argument("--address", required=True, help=fleet_address)
+    q.add_argument("--json", action="store_true")
+    f = sub.add_parser("fleet", help="start the cluster's fleet scheduler with a fleet file's queues and quotas")
+    f.add_argument("action", choices=("start",))
+    f.add_argument("--address", required=True, help=fleet_address)
+    f.add_argument("--config", help="fleet file (TOML): [queues.NAME] hosts = N (README, 'Sharing a cluster')")
+    f.add_argument("--quotas", help=argparse.SUPPRESS)  # the quotas as JSON, when it runs itself on the cluster
+    f.add_argument("--json", action="store_true")
+
+
 def _add_dashboard(sub) -> None:
     dash = sub.add_parser("dashboard", help="serve the fleet dashboard and its JSON API")
     dash.add_argument("--store", help=STORE_HELP)
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan": _plan,
         "ckpt": _ckpt,
         "submit": _submit,
+        "queue": _queue,
+        "fleet": _fleet,
         "status": _status,
         "logs": _logs,
         "stop": _stop,
@@ -174,6 +190,33 @@ def _run(args) -> int:
         summary.write(args.summary)
     _print_summary(summary, args.summary)
     return 0 if summary.state == "finished" else 1
+
+
+def _queue(args) -> int:
+    from .fleet import print_queue, queue
+
+    print_queue(queue(args.address), args.json)
+    return 0
+
+
+def _fleet(args) -> int:
+    import json
+
+    from .fleet import start_fleet, start_with
+
+    if args.quotas is not None:  # on the cluster, for a `remesh fleet start --address http://...`
+        answer = start_with(args.address, json.loads(args.quotas))
+    else:
+        answer = start_fleet(args.address, args.config)
+    if args.json:
+        print(json.dumps(answer))
+    else:
+        said = "started" if answer["started"] else "already running (its queues are kept)"
+        quotas = ", ".join(
+            f"{q}: {'no limit' if n is None else f'{n} hosts'}" for q, n in sorted(answer["quotas"].items())
+        )
+        print(f"fleet scheduler {said}; queues: {quotas}")
+    return 0
 
 
 def _submit(args) -> int:

@@ -138,6 +138,10 @@ class FleetScheduler:
             )
         return out
 
+    def quotas(self) -> dict:
+        """Each queue's quota of hosts (None: no limit)."""
+        return {q: quota.hosts for q, quota in self.policy.quotas.items()}
+
     def hosts(self) -> dict:
         """Live hosts, and which job holds each (node id -> run, or "" when idle)."""
         held = {_node_of(pg): run for run, e in self.jobs.items() for pg in _placed(e).values()}

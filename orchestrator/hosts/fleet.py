@@ -72,7 +72,14 @@ class FleetCluster(RayCluster):
             super().shutdown()
 
     def _call(self, method: str, *args) -> Grant:
-        grant = Grant.from_dict(ray.get(getattr(self.scheduler, method).remote(*args), timeout=60))
+        try:
+            answer = ray.get(getattr(self.scheduler, method).remote(*args), timeout=60)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ValueError):  # the job's own mistake (an unknown queue, say): said as such
+                raise cause from None
+            raise
+        grant = Grant.from_dict(answer)
         with self._lock:
             self._grant = grant
         return grant

@@ -73,9 +73,10 @@ def shared(tmp_path_factory):
         out["high"] = submit(high)
         while time.monotonic() < deadline:
             both = {k: status(cluster, out[k], store) for k in ("low", "high")}
-            out["observed"].append(
-                {k: (v["ray_status"], v["remesh"].get("hosts"), v["remesh"].get("reason")) for k, v in both.items()}
-            )
+            seen = {k: (v["ray_status"], v["remesh"].get("hosts"), v["remesh"].get("reason")) for k, v in both.items()}
+            out["observed"].append(seen)
+            if "queue" not in out and seen["low"][1] == 2 and seen["high"][1] == 2:
+                out["queue"] = json.loads(cli(cluster, "queue", "--address", cluster.address, "--json"))
             if all(v["ray_status"] in ("SUCCEEDED", "FAILED", "STOPPED") for v in both.values()):
                 break
             time.sleep(1.0)
@@ -111,6 +112,8 @@ def test_the_low_job_shrinks_for_the_high_one_and_grows_back(shared):
     said = {o["low"][2] for o in seen}  # what `remesh status` said of the low job meanwhile
     assert "2 of at most 4 hosts: the other 2 are held or kept for waiting jobs" in said, said
     assert len(low["recomputed_steps"]) >= 1  # the shrink's restore is counted
+    queue = {r["job"]: (r["state"], r["hosts"], r["priority"]) for r in shared["queue"]}  # `remesh queue` meanwhile
+    assert queue == {"high": ("running", 2, 5), "low": ("running", 2, 0)}
 
 
 def test_each_shrink_computes_at_most_one_step_again_and_losses_equal_a_static_run(shared):

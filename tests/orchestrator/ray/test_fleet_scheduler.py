@@ -108,3 +108,39 @@ def test_a_job_that_stops_reporting_is_dropped_and_its_hosts_freed(fleet):
     with pytest.raises(ray.exceptions.RayTaskError, match="run 'gone-1' is not registered with the fleet"):
         ray.get(fleet.report.remote("gone-1"))
     ray.get(fleet.finish.remote("next-1"))
+
+
+def test_fleet_start_and_queue_from_the_command_line(cluster, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from orchestrator.fleet.scheduler import NAME, NAMESPACE
+    from tests.helpers.paths import ROOT
+
+    def remesh(*args):
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text("[queues.research]\nhosts = 2\n")
+    said = remesh("fleet", "start", "--address", cluster.address, "--config", str(fleet_file))
+    assert said.strip() == "fleet scheduler started; queues: default: no limit, research: 2 hosts"
+    actor = ray.get_actor(NAME, namespace=NAMESPACE)
+    try:
+        again = remesh("fleet", "start", "--address", cluster.address)
+        assert "already running (its queues are kept)" in again and "research: 2 hosts" in again
+        ray.get(actor.register.remote(registration("big-1", min_hosts=3, max_hosts=3)))
+        ray.get(actor.register.remote(registration("small-1", min_hosts=2, max_hosts=2, queue="research")))
+        rows = json.loads(remesh("queue", "--address", cluster.address, "--json"))
+        assert [(r["run"], r["state"], r["target"]) for r in rows] == [
+            ("big-1", "running", 3),
+            ("small-1", "queued", 0),
+        ]
+        assert rows[1]["reason"] == "waiting for hosts: needs 2, 1 idle, 3 held by jobs of priority 0 or higher"
+        text = remesh("queue", "--address", cluster.address)
+        assert "small-1" in text and "waiting for hosts: needs 2, 1 idle" in text and "(waiting" in text
+    finally:
+        ray.kill(actor)
