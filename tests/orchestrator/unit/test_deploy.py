@@ -155,3 +155,67 @@ def test_grafana_dashboard_shows_the_built_in_pages_figures_with_metric_names_fr
     assert "{{host}}" in step_panel["targets"][0]["legendFormat"]  # per host, so a straggler stands out
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def kueue(name):
+    with open(os.path.join(DEPLOY, "kueue", name)) as f:
+        return {doc["kind"]: doc for doc in yaml.safe_load_all(f)}
+
+
+def requests_of(spec, replicas_key="minReplicas"):
+    """What a Ray cluster asks of Kubernetes at its smallest (the head, and each worker group at
+    its minimum), per resource, in the units Kueue's quota is written in (CPUs, GiB, GPUs)."""
+
+    def amount(value):
+        value = str(value)
+        return float(value[:-2]) if value.endswith("Gi") else float(value)
+
+    total = {}
+    groups = [(spec["headGroupSpec"], 1)] + [(g, g[replicas_key]) for g in spec["workerGroupSpecs"]]
+    for group, n in groups:
+        for c in group["template"]["spec"]["containers"]:
+            for resource, value in c["resources"]["requests"].items():
+                total[resource] = total.get(resource, 0.0) + n * amount(value)
+    return total
+
+
+def test_kueue_admits_the_shared_cluster_and_a_suspended_job_within_its_quota():
+    queues = kueue("queues.yaml")
+    cluster_queue, local_queue = queues["ClusterQueue"], queues["LocalQueue"]
+    assert local_queue["spec"]["clusterQueue"] == cluster_queue["metadata"]["name"]
+    (group,) = cluster_queue["spec"]["resourceGroups"]
+    (flavor,) = group["flavors"]
+    assert flavor["name"] == queues["ResourceFlavor"]["metadata"]["name"]
+    quota = {r["name"]: float(str(r["nominalQuota"]).removesuffix("Gi")) for r in flavor["resources"]}
+    shared = kueue("raycluster-fleet-gpu.yaml")["RayCluster"]
+    job = kueue("rayjob-kueue-gpu.yaml")["RayJob"]
+    for doc, spec in ((shared, shared["spec"]), (job, job["spec"]["rayClusterSpec"])):
+        assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == local_queue["metadata"]["name"]
+        asked = requests_of(spec)
+        assert set(asked) <= set(group["coveredResources"]), asked  # Kueue refuses what it does not cover
+        assert all(asked[r] <= quota[r] for r in asked), (asked, quota)  # admissible at all
+    assert job["spec"]["suspend"] is True  # created suspended: Kueue admits it by resuming it
+
+
+def test_the_shared_cluster_starts_the_fleet_scheduler_with_its_fleet_file():
+    from orchestrator.cli.main import build_parser
+    from orchestrator.fleet.config import parse_fleet
+    from orchestrator.job.jobfile import load_job
+
+    docs = kueue("raycluster-fleet-gpu.yaml")
+    fleet = parse_fleet(tomllib.loads(docs["ConfigMap"]["data"]["fleet.toml"]))
+    head = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]
+    command = head["containers"][0]["lifecycle"]["postStart"]["exec"]["command"][-1]
+    start = re.search(r"(remesh fleet start [^&;]*?)\s*&&", command)[1]
+    args = build_parser().parse_args(shlex.split(start)[1:])
+    assert (args.command, args.action, args.address) == ("fleet", "start", "auto")
+    mount = next(m for m in head["containers"][0]["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    assert os.path.basename(args.config) in docs["ConfigMap"]["data"]
+    # The example jobs name queues the fleet has, with minimums its quotas allow.
+    for path in ("examples/gpt/job.toml", "examples/gpt/job-gpu.toml"):
+        job = load_job(os.path.join(ROOT, path))
+        assert job.queue in fleet.quotas
+        limit = fleet.quotas[job.queue].hosts
+        assert limit is None or job.hosts.min <= limit
