@@ -6,6 +6,7 @@
                         restore events marked, goodput breakdown, the plan of each segment, per-host
                         step times
     /api/jobs           the fleet as JSON: each job's latest run (`run` is its id, `runs` the count)
+    /api/allocation     hosts per run over the last day, each cluster's hosts, and the queued runs
     /api/jobs/<name>    one run as JSON: its row, every run of the job, segments, events and step
                         metrics (?run=ID: that run, default the latest; ?submission=ID: the run
                         submitted so; ?points=N: at most about N steps per host, evenly thinned;
@@ -22,6 +23,7 @@ import importlib.resources
 import json
 import re
 import threading
+import time
 import urllib.parse
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +42,7 @@ class DashboardConfig:
 
 
 STEP_POINTS = 2000  # steps per host sent to a job page; longer jobs are thinned evenly
+ALLOCATION_WINDOW_S = 24 * 3600  # the fleet page's allocation chart: runs updated in the last day
 
 
 def job_detail(store: FleetStore, name: str, points: int = STEP_POINTS, run: int | None = None) -> dict | None:
@@ -78,6 +81,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/api/jobs":
             with self.lock:
                 return self._json(self.store.jobs())
+        if path == "/api/allocation":
+            with self.lock:
+                return self._json(self.store.allocation(time.time() - ALLOCATION_WINDOW_S))
         m = re.fullmatch(r"/api/jobs/([^/]+)", path)
         if m:
             name = urllib.parse.unquote(m[1])

@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS runs (
     segments TEXT NOT NULL DEFAULT '[]',
     reason TEXT NOT NULL DEFAULT '',
     submission TEXT NOT NULL DEFAULT '',
+    cluster_hosts INTEGER NOT NULL DEFAULT 0,
     step_stride INTEGER NOT NULL DEFAULT 1,
     started_at REAL NOT NULL,
     updated_at REAL NOT NULL
@@ -94,6 +95,7 @@ RUN_COLUMNS = (
     "segments",
     "reason",
     "submission",
+    "cluster_hosts",
     "started_at",
     "updated_at",
 )
@@ -225,6 +227,37 @@ class FleetStore:
             "(SELECT name, MAX(id) AS latest, COUNT(*) AS n FROM runs GROUP BY name) AS counts ON runs.id = counts.latest "
             "ORDER BY runs.started_at DESC"
         )]  # fmt: skip
+
+    def allocation(self, since: float = 0.0) -> dict:
+        """Hosts per run over time, from each run's segments (a segment holds its hosts from its
+        start to the next one's, or to the run's last update), for runs updated since `since`;
+        and per cluster the most hosts a run saw it offer (`cluster_hosts`), for the idle ones."""
+        runs = [self._row(r) for r in self._db.execute(
+            "SELECT id AS run, name, cluster, state, reason, segments, cluster_hosts, started_at, updated_at "
+            "FROM runs WHERE updated_at >= ? ORDER BY started_at", (since,)
+        )]  # fmt: skip
+        out, clusters, now = [], {}, time.time()
+        for r in runs:
+            clusters[r["cluster"]] = max(clusters.get(r["cluster"], 0), r["cluster_hosts"])
+            segments = r["segments"]
+            holding = r["state"] in ("planning", "starting", "running", "stopping")  # its last segment goes on
+            ended = now if holding else self.last_step_at(r["run"]) or r["updated_at"]
+            for i, seg in enumerate(segments):
+                last = i + 1 == len(segments)
+                end = ended if last else r["started_at"] + segments[i + 1]["started_at"]
+                out.append({"run": r["run"], "name": r["name"], "cluster": r["cluster"], "hosts": seg["hosts"],
+                            "start": r["started_at"] + seg["started_at"], "end": end,
+                            "holding": last and holding})  # fmt: skip
+        queued = [
+            {k: r[k] for k in ("run", "name", "cluster", "reason", "started_at", "updated_at")}
+            for r in runs
+            if r["state"] == "queued"
+        ]
+        return {"intervals": out, "cluster_hosts": clusters, "queued": queued}
+
+    def last_step_at(self, run: int) -> float | None:
+        """When run `run`'s last stored step ended (None: no step stored)."""
+        return self._db.execute("SELECT MAX(at) FROM steps WHERE run = ?", (run,)).fetchone()[0]
 
     def runs(self, name: str) -> list[dict]:
         """Every run of job `name`, newest first (id, state, steps, started and updated)."""

@@ -52,6 +52,10 @@ class FleetCluster(RayCluster):
         alive = set(alive_hosts())
         return [node for node, _ in self.grant.hosts if node in alive]
 
+    def cluster_hosts(self) -> int:
+        """Every live host of the cluster, this job's and the others' and the idle ones."""
+        return len(alive_hosts())
+
     def placements(self, node_ids: Sequence[str]) -> list:
         """The reservation (a placement group) of each of `node_ids`, for the host actors there."""
         from ray._raylet import PlacementGroupID

@@ -182,6 +182,7 @@ class RecorderCallback(ControllerCallback):
             hosts=segment.hosts if held else 0,
             devices=segment.devices if held else 0,
             reason=_reason(controller, summary),
+            cluster_hosts=_cluster_hosts(controller),
             tokens_per_second=recent["tokens_per_second"],
             mfu=recent["mfu"],
             goodput_ratio=goodput["goodput_ratio"],
@@ -200,3 +201,10 @@ def _reason(controller, summary) -> str:
     if fleet is not None and controller.phase is Phase.RUNNING:
         return fleet.grant.reason
     return summary.reason or ""
+
+
+def _cluster_hosts(controller) -> int:
+    """How many hosts the cluster offers all its jobs (a shared cluster's, for its idle hosts);
+    0 where the job sees only its own."""
+    count = getattr(controller.cluster, "cluster_hosts", None)
+    return count() if count is not None else 0
