@@ -427,8 +427,9 @@ class JobController:
     def _follow_grant(self, state: Running) -> None:
         """On a shared cluster, resize as the fleet scheduler grants: fewer hosts at the next step
         boundary (the step reached is committed: at most the step in flight is computed again),
-        none (suspended) likewise, more at the next checkpoint boundary once they are placed."""
-        if state.resize or self.clock() - state.last_host_check < self.config.host_check_interval_s:
+        none (suspended) likewise, more at the next checkpoint boundary once they are placed. A
+        shrink asked for while a grow waits for its boundary stops the group at once."""
+        if self.clock() - state.last_host_check < self.config.host_check_interval_s:
             return
         state.last_host_check = self.clock()
         grant = self.fleet.report()
@@ -438,7 +439,7 @@ class JobController:
             self._event(kind, hosts=grant.target, reason=grant.reason)
             self._shrunk_at = self.step_reached  # updated as the group reports steps up to its stop
             self.group.request_stop(now=True)
-        elif grant.target > state.target and len(self.fleet.alive_hosts()) >= grant.target:
+        elif not state.resize and grant.target > state.target and len(self.fleet.alive_hosts()) >= grant.target:
             reason = f"{grant.target - state.target} more host(s) granted"
             state.resize, state.target = policies.Resize(grant.target, reason), grant.target
             self._event(EventKind.GROW, hosts=grant.target, reason=reason)

@@ -516,3 +516,17 @@ def test_granted_hosts_another_job_still_holds_are_waited_for_then_fewer_are_use
     lonely.held.append("node1")  # given back at last
     run_until(c, lambda: c.phase is Phase.RUNNING)
     assert s.segments[0].devices == 4
+
+
+def test_a_shrink_while_a_grow_waits_for_its_checkpoint_stops_the_group_at_once():
+    world = FleetWorld(4, target=2)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 11)
+    world.set_target(4)
+    c.step()
+    assert s.events[-1]["kind"] == "grow"  # waits for step 20, its next checkpoint
+    world.set_target(2, "shrunk to 2 of 4 hosts for a job of higher priority")
+    c.step()
+    assert s.events[-1]["kind"] == "shrink"
+    run_until(c, lambda: c.phase is Phase.PLANNING)
+    assert s.segments[0].last_step < 20 and world.groups[0].stop_now  # not held to the boundary
