@@ -243,10 +243,10 @@ class JobController:
 
     def _fleet_progress(self) -> tuple[int, bool]:
         """What a shrink would cost this job now: steps since its last snapshot or commit (computed
-        again), and whether a plan for one host fewer is made."""
+        again), and whether a group one host smaller would start at once (plan and programs ready)."""
         every = (self.segment.snapshot_every if self.segment else 0) or self.job.checkpoint.every
         hosts = self.segment.hosts if self.segment else 0
-        smaller = hosts > 1 and self.plans.has((hosts - 1) * self.job.hosts.devices_per_host)
+        smaller = hosts > 1 and self.plans.ready((hosts - 1) * self.job.hosts.devices_per_host)
         return self.step_reached % every, smaller
 
     # -- Starting ----------------------------------------------------------------------------

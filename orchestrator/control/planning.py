@@ -48,9 +48,11 @@ class PlanCache:
             self._plans[key] = pool.submit(self.planner, devices).result() if pool else self.planner(devices)
         return Planned(self._plans[key], cached, ahead)
 
-    def has(self, devices: int) -> bool:
-        """Whether the plan for `devices` is made (a resize to it plans nothing)."""
-        return (self.fingerprint, devices) in self._plans
+    def ready(self, devices: int) -> bool:
+        """Whether a group on `devices` would start at once: its plan made, and its programs
+        compiled ahead (a resize to it neither plans nor compiles)."""
+        plan = self._plans.get((self.fingerprint, devices))
+        return plan is not None and self.executables(plan.to_json()) is not None
 
     def plan_ahead(self, devices: int) -> None:
         """Begin planning for `devices` on the planning thread, unless planned or begun already."""

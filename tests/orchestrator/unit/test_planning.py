@@ -51,3 +51,16 @@ def test_executables_compiled_ahead_are_kept_for_their_plan_only():
     cache.compiled_ahead(CompileAhead(seconds=1.0, devices=4, executables={"plan": plan_key("A"), "step": ["x"]}))
     cache.compiled_ahead(CompileAhead(seconds=1.0, error="ValueError: failed"))
     assert cache.executables("A") == {"plan": plan_key("A"), "step": ["x"]} and cache.executables("B") is None
+
+
+def test_a_mesh_is_ready_once_its_plan_is_made_and_its_programs_compiled_ahead():
+    class Plan(str):
+        def to_json(self):
+            return str(self)
+
+    cache = PlanCache(lambda devices: Plan(f"plan-{devices}"), "fp")
+    assert not cache.ready(6)
+    cache.plan(6)
+    assert not cache.ready(6)  # planned, not compiled: a shrink to it would still compile
+    cache.compiled_ahead(CompileAhead(seconds=1.0, devices=6, executables={"plan": plan_key("plan-6"), "step": ["x"]}))
+    assert cache.ready(6) and not cache.ready(4)
