@@ -100,8 +100,8 @@ def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: in
     if finished:
         cluster = _NoHosts()  # a finished job: the controller ends it before asking for hosts
     elif address:
+        from ..fleet.cluster import FleetCluster
         from ..fleet.scheduler import Registration
-        from ..hosts.fleet import FleetCluster
 
         low, high = job.hosts.min, min(job.hosts.max, hosts or job.hosts.max)
         registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir)

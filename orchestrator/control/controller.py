@@ -90,7 +90,7 @@ class JobController:
         self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
         self.committed, self.snapshots, self.standby = committed, snapshots, standby
         self.callbacks = Callbacks(callbacks)
-        # A cluster shared through the fleet scheduler grants this job its hosts (hosts/fleet.py).
+        # A cluster shared through the fleet scheduler grants this job its hosts (fleet/cluster.py).
         self.fleet = cluster if hasattr(cluster, "release") else None
         if self.fleet is not None:
             self.fleet.progress = self._fleet_progress

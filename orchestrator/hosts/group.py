@@ -83,7 +83,7 @@ def alive_hosts() -> list[str]:
 class HostGroup:
     def __init__(self, hosts: int, config: HostGroupConfig, standby: StandbyPool | None = None, placements=None):
         """`placements`: one placement group per host, reserved for this job by the fleet scheduler
-        (hosts/fleet.py): the actors go there; None: a placement group of its own for the group."""
+        (fleet/cluster.py): the actors go there; None: a placement group of its own for the group."""
         self.size = hosts
         self.config = config
         self._pg = None

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from ..fleet.scheduler import FleetSchedulerConfig, Grant, Registration, start
-from .cluster import RayCluster
-from .group import alive_hosts
+from ..hosts.cluster import RayCluster
+from ..hosts.group import alive_hosts
+from .scheduler import FleetSchedulerConfig, Grant, Registration, start
 
 
 @dataclasses.dataclass(frozen=True)
