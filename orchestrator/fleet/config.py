@@ -13,8 +13,8 @@ queue the file does not have is refused when it registers (`check_queue`).
 from __future__ import annotations
 
 import os
-import tomllib
 
+from ..job.jobfile import read_toml
 from .policy import FleetPolicyConfig, Quota
 
 
@@ -27,14 +27,7 @@ def load_fleet(path: str | os.PathLike | None) -> FleetPolicyConfig:
     if path is None:
         return FleetPolicyConfig()
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise FleetConfigError(f"fleet file {path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise FleetConfigError(f"fleet file {path!r} is not valid TOML: {e}") from None
-    return parse_fleet(raw, source=path)
+    return parse_fleet(read_toml(path, "fleet file", FleetConfigError), source=path)
 
 
 def parse_fleet(raw: dict, *, source: str = "<fleet>") -> FleetPolicyConfig:

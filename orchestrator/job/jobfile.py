@@ -106,14 +106,19 @@ _SCHEMA: dict[str, Any] = {
 
 def load_job(path: str | os.PathLike) -> JobSpec:
     path = os.fspath(path)
+    raw = read_toml(path, "job file", JobFileError)
+    return parse_job(raw, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+
+
+def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
+    """The TOML file at `path`, or `error` saying it is missing or not TOML (`what`: "job file")."""
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
-        raise JobFileError(f"job file {path!r} does not exist") from None
+        raise error(f"{what} {path!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
-        raise JobFileError(f"job file {path!r} is not valid TOML: {e}") from None
-    return parse_job(raw, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+        raise error(f"{what} {path!r} is not valid TOML: {e}") from None
 
 
 def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<job>") -> JobSpec:
