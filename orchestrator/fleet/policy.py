@@ -68,10 +68,6 @@ class Allocation:
     hosts: dict[str, int]
     reasons: dict[str, str]
 
-    def changes(self, jobs: Sequence[JobView]) -> dict[str, tuple[int, int]]:
-        """Job id -> (held, target) for every job whose hosts change."""
-        return {j.id: (j.held, self.hosts[j.id]) for j in jobs if self.hosts[j.id] != j.held}
-
 
 def allocate(jobs: Sequence[JobView], total_hosts: int, config: FleetPolicyConfig = FleetPolicyConfig()) -> Allocation:
     """The hosts each job should hold on a cluster of `total_hosts` (rules in the module's doc)."""

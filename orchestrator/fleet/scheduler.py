@@ -169,7 +169,9 @@ class FleetScheduler:
             _remove_all(self.jobs.pop(run))
         # A job holds what it was granted, less what Ray no longer has placed for it: a host
         # that died takes its reservation with it (Ray places it again where a host is free).
-        views = [_view(run, e) for run, e in self.jobs.items()]
+        # Which reservations Ray has placed, asked of its GCS once per decision.
+        placed = {run: set(_placed(e)) for run, e in self.jobs.items()}
+        views = [_view(run, e, len(placed[run])) for run, e in self.jobs.items()]
         decided = allocate(views, len(_alive_hosts()), self.policy)
         for run, e in self.jobs.items():
             target, reason = decided.hosts[run], decided.reasons.get(run, "")
@@ -180,26 +182,26 @@ class FleetScheduler:
             elif target > 0:
                 e.waiting_since = None
             e.target, e.reason = target, reason
-            _reserve(e)
-            if e.shrink and len(_placed(e)) <= e.target:
+            _reserve(e, placed[run])
+            if e.shrink and len(placed[run] & set(e.pgs)) <= e.target:
                 e.shrink = ""
 
 
-def _view(run: str, e: _Entry) -> JobView:
-    held = min(e.target, len(_placed(e)))
+def _view(run: str, e: _Entry, placed: int) -> JobView:
+    held = min(e.target, placed)
     r = e.reg
     return JobView(
         run, r.priority, r.queue, r.min_hosts, r.max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready
     )
 
 
-def _reserve(e: _Entry) -> None:
+def _reserve(e: _Entry, placed: set[str]) -> None:
     """Placement groups for `e.target` hosts: new ones where it has fewer (Ray places each when
     a host is free), pending ones dropped first where it has more (placed ones it gives back)."""
     import ray
     from ray.util.placement_group import placement_group
 
-    pending = [pg_id for pg_id, pg in e.pgs.items() if not _ready(pg)]
+    pending = [pg_id for pg_id in e.pgs if pg_id not in placed]
     while len(e.pgs) > e.target and pending:
         ray.util.remove_placement_group(e.pgs.pop(pending.pop()))
     while len(e.pgs) < e.target:
