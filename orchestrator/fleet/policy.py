@@ -13,6 +13,7 @@ The rules, in order:
    lowest priority first, then the cheapest to resize (fewest steps since their last snapshot,
    a plan and executables for the smaller mesh ready), then the latest arrived. Jobs of equal
    priority never take hosts from each other: the later one waits.
+   A job that holds fewer hosts than its minimum (one of them died) is a waiting job again.
 3. A queue's jobs hold at most its quota of hosts; a job whose minimum would pass it waits.
 4. Idle hosts go to running jobs up to their maximums, higher priority first and round-robin
    among equals, except the hosts that a waiting job ahead of them (higher priority, or equal
@@ -85,7 +86,9 @@ class _Book:
 
     def __init__(self, jobs: Sequence[JobView], total: int, config: FleetPolicyConfig):
         self.total, self.config = total, config
-        self.hosts = {j.id: j.held for j in jobs}
+        # A job holding fewer than its minimum (a host of its died) cannot run on what it holds:
+        # it is admitted again in its turn, or waits and gives them back.
+        self.hosts = {j.id: j.held if j.held >= j.min_hosts else 0 for j in jobs}
         self.order = sorted(jobs, key=lambda j: j.rank)
         # Victims first: lowest priority, then the cheapest to resize, then the latest arrived.
         self.by_cost = sorted(jobs, key=lambda j: (j.priority, j.since_snapshot, not j.smaller_ready, -j.arrival))
@@ -93,7 +96,7 @@ class _Book:
         self.used: dict[str, int] = {}
         self._below: dict[int, int] | None = None
         for j in jobs:
-            self.used[j.queue] = self.used.get(j.queue, 0) + j.held
+            self.used[j.queue] = self.used.get(j.queue, 0) + self.hosts[j.id]
 
     def set(self, job: JobView, n: int) -> None:
         change = n - self.hosts[job.id]

@@ -167,11 +167,14 @@ class FleetScheduler:
         now = time.monotonic()
         for run in [r for r, e in self.jobs.items() if now - e.seen > self.config.lost_after_s]:
             _remove_all(self.jobs.pop(run))
-        # A job holds what it was granted, less what Ray no longer has placed for it: a host
-        # that died takes its reservation with it (Ray places it again where a host is free).
-        # Which reservations Ray has placed, asked of its GCS once per decision.
-        placed = {run: set(_placed(e)) for run, e in self.jobs.items()}
-        views = [_view(run, e, len(placed[run])) for run, e in self.jobs.items()]
+        # A job holds what it was granted, less reservations whose host died (Ray places them
+        # again where a host is free): those being placed for the first time, on hosts another
+        # job is still giving back, are its own, never idle hosts to hand to someone else.
+        # Each reservation's state, asked of Ray's GCS once per decision.
+        states = {run: _states(e) for run, e in self.jobs.items()}
+        placed = {run: {pg for pg, st in states[run].items() if st == "CREATED"} for run in self.jobs}
+        views = [_view(run, e, sum(st in ("CREATED", "PENDING") for st in states[run].values()))
+                 for run, e in self.jobs.items()]  # fmt: skip
         decided = allocate(views, len(_alive_hosts()), self.policy)
         for run, e in self.jobs.items():
             target, reason = decided.hosts[run], decided.reasons.get(run, "")
@@ -187,8 +190,8 @@ class FleetScheduler:
                 e.shrink = ""
 
 
-def _view(run: str, e: _Entry, placed: int) -> JobView:
-    held = min(e.target, placed)
+def _view(run: str, e: _Entry, reserved: int) -> JobView:
+    held = min(e.target, reserved)
     r = e.reg
     return JobView(
         run, r.priority, r.queue, r.min_hosts, r.max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready
@@ -219,14 +222,16 @@ def _tag() -> str:
 
 
 def _placed(e: _Entry) -> dict:
-    return {pg_id: pg for pg_id, pg in e.pgs.items() if _ready(pg)}
+    states = _states(e)
+    return {pg_id: pg for pg_id, pg in e.pgs.items() if states[pg_id] == "CREATED"}
 
 
-def _ready(pg) -> bool:
-    """Placed by Ray (and not being placed again after its node died)."""
+def _states(e: _Entry) -> dict[str, str]:
+    """Each reservation's state in Ray: CREATED (placed), PENDING (waiting for a free host, never
+    placed yet), RESCHEDULING (its host died; being placed again)."""
     from ray.util import placement_group_table
 
-    return placement_group_table(pg)["state"] == "CREATED"
+    return {pg_id: placement_group_table(pg)["state"] for pg_id, pg in e.pgs.items()}
 
 
 def _node_of(pg) -> str:

@@ -75,6 +75,28 @@ def test_a_higher_priority_job_takes_hosts_only_once_the_lower_one_gives_them_ba
     assert set(no_host_held_twice(fleet).values()) == {""}
 
 
+def test_hosts_being_given_back_to_a_job_are_never_handed_to_a_job_behind_it(fleet):
+    # A 12-job trace found this: a job granted every host had two placed, and the two still
+    # being given back looked idle, so jobs behind it were granted them.
+    ray.get(fleet.register.remote(registration("low-1", min_hosts=4)))
+    until(fleet, "low-1", 4, "placed")
+    big = Grant.from_dict(ray.get(fleet.register.remote(registration("big-1", priority=5, min_hosts=2, max_hosts=4))))
+    assert big.target == 4  # `low` (min 4) cannot shrink: suspended
+    low = Grant.from_dict(ray.get(fleet.report.remote("low-1")))
+    assert low.target == 0 and len(low.hosts) == 4  # still holding them until it gives them back
+    low = Grant.from_dict(ray.get(fleet.release.remote("low-1", [node for node, _ in low.hosts[:2]])))
+    until(fleet, "big-1", 2, "two of big's hosts placed")
+    mid = Grant.from_dict(ray.get(fleet.register.remote(registration("mid-1", priority=1, max_hosts=1))))
+    for _ in range(5):  # decided again and again while two of big's are still held by low
+        assert mid.state == "queued", mid
+        assert Grant.from_dict(ray.get(fleet.report.remote("big-1"))).target == 4
+        mid = Grant.from_dict(ray.get(fleet.report.remote("mid-1")))
+    ray.get(fleet.release.remote("low-1", [node for node, _ in low.hosts]))
+    until(fleet, "big-1", 4, "every host of big's placed once low has given them back")
+    for run in ("big-1", "low-1", "mid-1"):
+        ray.get(fleet.finish.remote(run))
+
+
 def test_quotas_unknown_queues_and_a_shared_checkpoint_directory(fleet):
     first = Grant.from_dict(ray.get(fleet.register.remote(registration("r1-1", queue="research", max_hosts=2))))
     assert first.target == 1  # the queue's quota

@@ -127,3 +127,15 @@ def test_the_fleet_file_gives_quotas_and_refuses_what_the_fleet_cannot_run(tmp_p
             load_fleet(path)
     with pytest.raises(FleetConfigError, match="does not exist"):
         load_fleet(tmp_path / "missing.toml")
+
+
+def test_a_job_below_its_minimum_is_admitted_again_before_lower_priority_jobs():
+    # `big` (min 4) holds 2 of its 4: a host died, or (as the scheduler counts it) two are still
+    # being given back. Its hosts are never handed to a lower-priority job waiting behind it,
+    # and it never keeps fewer than its minimum.
+    big = job("big", priority=5, min_hosts=4, max_hosts=4, held=2, arrival=1)
+    low = job("low", priority=0, min_hosts=1, max_hosts=4, arrival=0)
+    assert allocate([big, low], 4).hosts == {"big": 4, "low": 0}
+    short = allocate([big, low], 3)  # the cluster lost a host: big waits, low runs meanwhile
+    assert short.hosts == {"big": 0, "low": 3}
+    assert short.reasons["big"] == "its minimum of 4 hosts exceeds the cluster's 3"
