@@ -10,6 +10,7 @@ the planner and the host-group class are parameters.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -25,6 +26,7 @@ from .planning import PlanCache
 from .state import (
     Failed,
     Finished,
+    FleetProgress,
     Phase,
     Planning,
     Queued,
@@ -100,6 +102,7 @@ class JobController:
         self.started_wall, self._t0 = wall(), clock()
         self.group: HostGroup | None = None
         self._stop_request: str | None = None  # a stop asked for (a signal), not yet begun
+        self._step_seconds: collections.deque[float] = collections.deque(maxlen=9)  # this group's latest steps
         self._shrunk_at: int | None = None  # the step reached when the fleet last asked for hosts back
         # The reports that change the controller's own data; every report goes to the callbacks.
         self._handlers = {
@@ -241,13 +244,28 @@ class JobController:
         self._event(EventKind.ADMITTED, hosts=granted, waited=round(self.clock() - state.since, 3))
         return Planning(granted, state.recovery)
 
-    def _fleet_progress(self) -> tuple[int, bool]:
+    def _fleet_progress(self) -> FleetProgress:
         """What a shrink would cost this job now: steps since its last snapshot or commit (computed
-        again), and whether a group one host smaller would start at once (plan and programs ready)."""
+        again), and whether a group one host smaller would start at once (plan and programs ready);
+        and whether growing to its maximum would pay for the resize (`_grows`)."""
         every = (self.segment.snapshot_every if self.segment else 0) or self.job.checkpoint.every
         hosts = self.segment.hosts if self.segment else 0
         smaller = hosts > 1 and self.plans.ready((hosts - 1) * self.job.hosts.devices_per_host)
-        return self.step_reached % every, smaller
+        return FleetProgress(self.step_reached % every, smaller, self._grows())
+
+    def _grows(self) -> bool:
+        """Whether the steps left, on the most hosts the job takes, would save more time than a
+        resize costs: the last group's start (from planning to its first step) is the estimate
+        of the next, and steps are taken to shorten in proportion to hosts. Until a group has
+        stepped, nothing is known against growing."""
+        segment, times = self.segment, self._step_seconds
+        if segment is None or segment.first_step_at is None or not times:
+            return True
+        resize = segment.first_step_at - segment.started_at
+        step = sorted(times)[len(times) // 2]
+        top = self.fleet.registration.max_hosts  # the job file's, or less (`--hosts`)
+        saved = (self.job.steps - self.step_reached) * step * (1 - segment.hosts / top)
+        return saved > resize
 
     # -- Starting ----------------------------------------------------------------------------
     def _starting(self, state: Starting) -> State:
@@ -359,6 +377,9 @@ class JobController:
         state, segment = self.state, self.segment
         if segment.first_step is None:
             segment.first_step, segment.first_step_at = report.step, round(self.now(), 3)
+            self._step_seconds.clear()  # the first step of a group includes waiting for its peers
+        elif report.seconds:
+            self._step_seconds.append(report.seconds)
             self._prepare_next()  # off the recovery path: this segment has its first step
         segment.last_step, segment.snapshot_every = report.step, report.snapshot_every
         recovery = getattr(state, "recovery", None)

@@ -40,6 +40,16 @@ class Phase(enum.Enum):
         return self in (Phase.FINISHED, Phase.FAILED, Phase.STOPPED)
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetProgress:
+    """What a job on a shared cluster tells the fleet scheduler with each heartbeat: what a
+    shrink would cost it now, and whether growing would pay for its resize."""
+
+    since_snapshot: int = 0  # steps a shrink now would compute again
+    smaller_ready: bool = False  # a plan and executables for one host fewer are ready
+    grows: bool = True
+
+
 @dataclasses.dataclass
 class Recovery:
     """A host loss being recovered from."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import ray
 
+from ..control.state import FleetProgress
 from ..hosts.cluster import RayCluster
 from ..hosts.group import alive_hosts
 from .scheduler import FleetSchedulerConfig, Grant, Registration, start
@@ -29,9 +30,9 @@ class FleetClusterConfig:
 class FleetCluster(RayCluster):
     def __init__(self, address: str, registration: Registration, config: FleetClusterConfig = FleetClusterConfig()):
         super().__init__(address)
-        self.run, self.config = registration.run, config
+        self.run, self.config, self.registration = registration.run, config, registration
         self.scheduler = start(config.scheduler)
-        self.progress: Callable[[], tuple[int, bool]] = lambda: (0, False)  # (steps since snapshot, smaller plan ready)
+        self.progress: Callable[[], FleetProgress] = FleetProgress  # the controller's, once it runs
         self._lock = threading.Lock()
         self._grant = self._call("register", dataclasses.asdict(registration))
         self._stop = threading.Event()
@@ -44,8 +45,8 @@ class FleetCluster(RayCluster):
             return self._grant
 
     def report(self) -> Grant:
-        since, ready = self.progress()
-        return self._call("report", self.run, since, ready)
+        p = self.progress()
+        return self._call("report", self.run, p.since_snapshot, p.smaller_ready, p.grows)
 
     def alive_hosts(self) -> list[str]:
         """This job's hosts: reserved for it, placed, and alive."""

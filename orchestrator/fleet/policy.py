@@ -18,7 +18,8 @@ The rules, in order:
 4. Idle hosts go to running jobs up to their maximums, higher priority first and round-robin
    among equals, except the hosts that a waiting job ahead of them (higher priority, or equal
    and earlier) needs for its minimum: those stay idle for it, so that growth never starves a
-   waiting job of the hosts it is waiting for.
+   waiting job of the hosts it is waiting for. A running job grows only where it says that
+   growing pays for its resize in the steps it has left.
 A running job is never shrunk to grow another: resizes cost steps, and only admissions pay for them.
 """
 
@@ -56,6 +57,9 @@ class JobView:
     held: int = 0  # hosts it holds now; 0: waiting (queued or suspended)
     since_snapshot: int = 0  # steps a shrink now would compute again
     smaller_ready: bool = False  # a plan and executables for fewer hosts are ready
+    # Growing would pay for itself: the time more hosts save over the steps left exceeds what a
+    # resize costs it. A job near its end stays on what it has, leaving idle hosts to others.
+    grows: bool = True
 
     @property
     def rank(self) -> tuple:
@@ -155,7 +159,7 @@ def _grow(book: _Book, waiting: list[JobView]) -> None:
     a waiting job ahead needs."""
     tiers: dict[int, list[JobView]] = {}
     for job in book.order:
-        if book.hosts[job.id] > 0:
+        if book.hosts[job.id] > 0 and (job.grows or job.held == 0):  # one admitted now starts on more, free
             tiers.setdefault(job.priority, []).append(job)
     for priority in sorted(tiers, reverse=True):
         growing = tiers[priority]
@@ -202,4 +206,6 @@ def _why(job: JobView, book: _Book) -> str:
         return f"queue {job.queue!r} is at its quota of {limit} hosts"
     if held < job.held:
         return f"shrunk to {held} of {job.held} hosts for a job of higher priority"
+    if not job.grows and job.held and book.idle:
+        return f"{held} of at most {job.max_hosts} hosts: growing would not pay for its resize in the steps left"
     return f"{held} of at most {job.max_hosts} hosts: the other {total - held} are held or kept for waiting jobs"

@@ -70,6 +70,7 @@ class _Entry:
     reason: str = ""
     since_snapshot: int = 0
     smaller_ready: bool = False
+    grows: bool = True
     shrink: str = ""  # why it was asked to give hosts back, until it has
     waiting_since: float | None = None  # queued (or suspended) since then
     pgs: dict = dataclasses.field(default_factory=dict)  # placement group id -> handle
@@ -98,10 +99,12 @@ class FleetScheduler:
             self.jobs[reg.run] = _Entry(reg, next(self._arrivals), time.monotonic())
         return self._decide_and_grant(reg.run)
 
-    def report(self, run: str, since_snapshot: int = 0, smaller_ready: bool = False) -> dict:
-        """A job's heartbeat, with what a shrink would cost it now; returns its grant."""
+    def report(self, run: str, since_snapshot: int = 0, smaller_ready: bool = False, grows: bool = True) -> dict:
+        """A job's heartbeat, with what a shrink would cost it now and whether growing would pay
+        (`fleet.policy.JobView`); returns its grant."""
         entry = self._entry(run)
         entry.seen, entry.since_snapshot, entry.smaller_ready = time.monotonic(), since_snapshot, smaller_ready
+        entry.grows = grows
         return self._decide_and_grant(run)
 
     def release(self, run: str, node_ids: list[str]) -> dict:
@@ -194,7 +197,7 @@ def _view(run: str, e: _Entry, reserved: int) -> JobView:
     held = min(e.target, reserved)
     r = e.reg
     return JobView(
-        run, r.priority, r.queue, r.min_hosts, r.max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready
+        run, r.priority, r.queue, r.min_hosts, r.max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready, e.grows
     )
 
 

@@ -148,7 +148,16 @@ def simulate(trace: Sequence[TraceJob], hosts: int, policy: str, costs: Costs, d
 def _view(j: _Job, arrival: int, costs: Costs) -> JobView:
     s = j.spec
     since = int(j.done_steps) % costs.checkpoint_every
-    return JobView(s.id, s.priority, s.queue, s.min_hosts, s.max_hosts, arrival, j.held, since, False)
+    return JobView(s.id, s.priority, s.queue, s.min_hosts, s.max_hosts, arrival, j.held, since, False, _grows(j, costs))
+
+
+def _grows(j: _Job, costs: Costs) -> bool:
+    """As the controller judges it (`JobController._grows`): the steps left, shortened in
+    proportion to hosts on the job's maximum, save more than a resize costs."""
+    if not j.running_on:
+        return True
+    step = costs.step_seconds(j.spec, j.running_on)
+    return (j.spec.steps - j.done_steps) * step * (1 - j.running_on / j.spec.max_hosts) > costs.resize
 
 
 def _next_event(jobs, now: float, arrival: float, costs: Costs) -> float:

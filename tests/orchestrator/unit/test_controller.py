@@ -432,8 +432,12 @@ class FleetWorld(World):
 
     def __init__(self, hosts, target=0, reason="waiting for hosts: needs 2, 0 idle"):
         super().__init__(hosts)
+        from orchestrator.control.state import FleetProgress
+        from orchestrator.fleet.scheduler import Registration
+
         self.target, self.reason, self.held, self.released = 0, reason, [], []
-        self.progress = lambda: (0, False)
+        self.registration = Registration("t-1", "t", 0, "default", 2, 4, "/tmp/x")
+        self.progress, self.reported = FleetProgress, []
         self.set_target(target, reason)
 
     def set_target(self, n, reason=""):
@@ -449,7 +453,7 @@ class FleetWorld(World):
         return Grant("t-1", "running" if self.target else "queued", self.target, hosts, self.reason)
 
     def report(self):
-        self.progress()
+        self.reported.append(self.progress())
         return self.grant
 
     def alive_hosts(self):
@@ -496,6 +500,17 @@ def test_on_a_shared_cluster_the_job_waits_shrinks_suspends_and_resumes_as_grant
     assert c.phase is Phase.FINISHED and s.steps_completed == 30
     assert [seg.devices for seg in s.segments] == [8, 4, 6]
     assert s.goodput["badput_seconds"]["queued"] > 0
+
+
+def test_a_job_says_it_would_grow_only_while_the_steps_left_pay_for_a_resize():
+    # Each fake step takes 0.1 s and a group 1 s per clock read to start: on 2 of at most 4
+    # hosts, growing saves 0.05 s a step left.
+    for steps, at, grows in ((100_000, 3, True), (30, 25, False)):
+        world = FleetWorld(4, target=2)
+        c, s = make(world, steps=steps)
+        run_until(c, lambda s=s, at=at: s.steps_completed >= at)
+        c.step()
+        assert world.reported[-1].grows is grows, (steps, world.reported[-1])
 
 
 def test_granted_hosts_another_job_still_holds_are_waited_for_then_fewer_are_used():

@@ -139,3 +139,13 @@ def test_a_job_below_its_minimum_is_admitted_again_before_lower_priority_jobs():
     short = allocate([big, low], 3)  # the cluster lost a host: big waits, low runs meanwhile
     assert short.hosts == {"big": 0, "low": 3}
     assert short.reasons["big"] == "its minimum of 4 hosts exceeds the cluster's 3"
+
+
+def test_a_job_whose_growth_would_not_pay_keeps_its_hosts_and_leaves_idle_ones_to_others():
+    ending = job("ending", held=2, grows=False)
+    a = allocate([ending], 4)
+    assert a.hosts == {"ending": 2}
+    assert a.reasons == {"ending": "2 of at most 4 hosts: growing would not pay for its resize in the steps left"}
+    b = allocate([ending, job("new", arrival=1, max_hosts=2)], 4)
+    assert b.hosts == {"ending": 2, "new": 2}
+    assert allocate([job("fresh", grows=False)], 4).hosts == {"fresh": 4}  # admitted now: starts on its maximum
