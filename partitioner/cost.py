@@ -9,6 +9,12 @@ reshard here) or a reduce-scatter of shards of s bytes costs (p-1) * s/B plus (p
 link is the slowest one the group crosses: devices of the innermost mesh axes
 are neighbours, so a group stays on one host while the axes from its own to the innermost span at
 most `devices_per_host` devices.
+
+On slices (`Hardware.sliced`), a group whose axes lie both inside a slice and across slices is
+priced level by level, as TPU multi-slice collectives and NCCL's rings over several NVLink
+domains run (`hierarchical`): an all-reduce of n bytes reduce-scatters inside the slice,
+all-reduces n/p_in across slices and all-gathers inside again; an all-gather (a reduce-scatter
+alike) of shards of s bytes moves (p_out-1) s across slices and (p_in-1) p_out s inside.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def estimate(
     size = prop.device_bytes
     compute, flop_seconds = _compute_seconds(work, prop, hardware, mult)
     comm, sent = 0.0, {"all-reduce": 0, "all-gather": 0}
+    levels: dict[str, int] | None = {} if hardware.slice_devices is not None else None
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
     held: set[int] = set()  # values a combined all-reduce waits for
@@ -60,6 +67,21 @@ def estimate(
             continue
         n = mult[c.op]
         link = hardware.link(_span(c.axes, mesh))
+        if levels is not None:
+            split = Split.of(c.axes, mesh, hardware)
+            for level, nbytes in split.bytes(c.kind, c.bytes).items():
+                levels[level] = levels.get(level, 0) + int(nbytes) * n
+            if split.inside > 1 and split.across > 1:  # both inside and across slices: level by level
+                kind = (
+                    "all-reduce"
+                    if c.kind == "all-reduce"
+                    else "reduce-scatter"
+                    if c.kind == "reduce-scatter"
+                    else "all-gather"
+                )
+                comm += n * split.seconds(kind, c.bytes, hardware)
+                sent[kind] = sent.get(kind, 0) + int(sum(split.bytes(c.kind, c.bytes).values())) * n
+                continue
         if c.kind == "all-reduce":
             nbytes = 2 * (p - 1) / p * c.bytes
             sent["all-reduce"] += int(nbytes) * n
@@ -86,7 +108,7 @@ def estimate(
         )
     else:
         peak = peak_bytes(prop, held, hardware.copies_transposed_lhs)
-    return Cost(compute, comm, sent, peak, flop_seconds=flop_seconds)
+    return Cost(compute, comm, sent, peak, flop_seconds=flop_seconds, level_bytes=levels)
 
 
 COMBINE_BYTES = 32 << 20  # about what XLA's all-reduce combiner packs into one collective
@@ -191,6 +213,58 @@ def compute_floor(graph: Graph, fold: Fold | None, hardware: Hardware, devices: 
     moved = np.bincount(work.owner, weights=nbytes[work.values], minlength=len(work.flops))
     whole = np.maximum(work.flops / hardware.peak_flops, moved / hardware.memory_bandwidth)
     return float(np.dot(np.asarray(mult, dtype=np.float64), whole / devices + work.body_flops / hardware.peak_flops))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A collective's group split at the slow link between slices: `inside` devices of one slice
+    (spanning `inner_span` consecutive devices, on network level `inner_level`) times `across`
+    slices."""
+
+    inside: int
+    across: int
+    inner_span: int
+    inner_level: str
+
+    @classmethod
+    def of(cls, axes, mesh: Mapping[str, int], hw: Hardware) -> Split:
+        """An axis whose devices lie in several slices (devices slice-major) counts its devices
+        within one slice inside and the rest across: `data=8` on 2 slices of 4 is 4 x 2."""
+        names, inside, across, extent = list(mesh), 1, 1, 1
+        for a in axes:
+            stride = math.prod(mesh[n] for n in names[names.index(a) + 1 :])
+            within = min(mesh[a], max(1, hw.slice_devices // stride)) if hw.slice_devices else mesh[a]
+            inside, across, extent = inside * within, across * (mesh[a] // within), max(extent, stride * within)
+        return cls(inside, across, extent, hw.level(extent))
+
+    def bytes(self, kind: str, nbytes: float) -> dict[str, float]:
+        """Bytes one device sends over each level ("host", "slice", "dcn") for a collective of
+        `nbytes` (an all-reduce's buffer; an all-gather's or reduce-scatter's shard)."""
+        p_in, p_out = self.inside, self.across
+        if kind == "all-reduce":
+            inside, across = 2 * (p_in - 1) / p_in * nbytes, 2 * (p_out - 1) / p_out * nbytes / p_in
+        else:
+            inside, across = (p_in - 1) * p_out * nbytes, (p_out - 1) * nbytes
+        out = {self.inner_level: inside, "dcn": across}
+        return {k: v for k, v in out.items() if v > 0}
+
+    def seconds(self, kind: str, nbytes: float, hw: Hardware) -> float:
+        """Level by level: inside at the inner group's link, across at the slow one."""
+        p_in, p_out = self.inside, self.across
+        inner, outer = hw.link(self.inner_span), hw.dcn or hw.inter
+        if kind == "all-reduce":
+            return (
+                2 * (p_in - 1) / p_in * nbytes / inner.bandwidth
+                + 2 * (p_out - 1) / p_out * nbytes / p_in / outer.bandwidth
+                + latency_steps("all-reduce", p_in) * inner.latency
+                + latency_steps("all-reduce", p_out) * outer.latency
+            )
+        return (
+            (p_in - 1) * p_out * nbytes / inner.bandwidth
+            + (p_out - 1) * nbytes / outer.bandwidth
+            + latency_steps(kind, p_in) * inner.latency
+            + latency_steps(kind, p_out) * outer.latency
+        )
 
 
 def _span(axes, mesh: Mapping[str, int]) -> int:

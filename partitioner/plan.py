@@ -5,6 +5,7 @@ of the same shape, and plans travel as JSON between the controller and the hosts
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -43,6 +44,9 @@ class Cost:
     # The FLOPs alone, without the time ops spend moving bytes through memory: with the
     # collectives, what a compiled program shows of a plan (`verify`).
     flop_seconds: float | None = None
+    # Bytes each device sends per call over each network level ("host", "slice", "dcn"), where
+    # the plan is on slices: a collective whose group spans slices is priced level by level.
+    level_bytes: Mapping[str, int] | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -76,6 +80,7 @@ class Plan:
     devices: int  # devices offered; `devices_used` may be fewer when no mesh divides evenly
     notes: tuple[str, ...] = ()
     tactic: str = ""  # the chosen tactic (dp, fsdp, megatron, ...; refined, exact); "" in plans made before it was kept
+    slices: int = 1  # equal slices the devices form, slice-major (`bind` keeps each slice's devices together)
 
     @property
     def devices_used(self) -> int:
@@ -92,15 +97,18 @@ class Plan:
             if self.devices_used != self.devices
             else f"{self.devices} devices"
         )
-        return f"mesh {axes} ({used})"
+        return f"mesh {axes} ({used}" + (f" in {self.slices} slices)" if self.slices > 1 else ")")
 
     # -- binding ---------------------------------------------------------------------------
     def abstract_mesh(self) -> jax.sharding.AbstractMesh:
         return jax.sharding.AbstractMesh(tuple(self.mesh.values()), self.axis_names)
 
     def bind(self, devices: Sequence[jax.Device]) -> Mesh:
-        """A concrete mesh on the first `devices_used` of `devices` (in the order given)."""
-        devices = list(devices)
+        """A concrete mesh on the first `devices_used` of `devices` (in the order given). On
+        slices, the order given is taken as slice-major unless the devices say their slice
+        (`slice_index`, as TPUs do): then each slice's devices are put together, slices in order,
+        as `mesh_utils.create_hybrid_device_mesh` orders them."""
+        devices = _slice_major(list(devices), self.slices)
         if len(devices) < self.devices_used:
             raise ValueError(
                 f"plan needs {self.devices_used} devices for mesh {dict(self.mesh)}, but got "
@@ -193,6 +201,7 @@ class Plan:
             "devices": self.devices,
             "notes": list(self.notes),
             "tactic": self.tactic,
+            "slices": self.slices,
         }
 
     def to_json(self) -> str:
@@ -213,11 +222,26 @@ class Plan:
             devices=d["devices"],
             notes=tuple(d["notes"]),
             tactic=d.get("tactic", ""),  # plans written before the tactic was recorded
+            slices=d.get("slices", 1),  # plans written before slices were
         )
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _slice_major(devices: list, slices: int) -> list:
+    """`devices` with each slice's together, when they say their slice and there are several."""
+    if slices == 1 or any(getattr(d, "slice_index", None) is None for d in devices):
+        return devices
+    order = sorted(range(len(devices)), key=lambda i: (devices[i].slice_index, i))
+    counts = collections.Counter(d.slice_index for d in devices)
+    if len(counts) != slices or len(set(counts.values())) != 1:
+        raise ValueError(
+            f"plan is for {slices} equal slices, but the devices given are in {len(counts)} slices of "
+            f"{sorted(counts.values())} devices; re-plan with slices={len(counts)} or pass the devices of {slices} equal slices"
+        )
+    return [devices[i] for i in order]
 
 
 def _is_spec(x) -> bool:

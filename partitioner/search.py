@@ -25,7 +25,7 @@ import gc
 import math
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -61,6 +61,7 @@ def plan(
     batch_argnums: Sequence[int] | None = None,
     compile_check: bool | str = "auto",
     shallow_trace: bool = True,
+    slices: int = 1,
 ) -> Plan:
     """The best plan found for `fn(*args)` on `devices` (a count or a list of devices).
     `compile_check`: "auto" compiles the top candidates where their predicted FLOPs and
@@ -69,6 +70,10 @@ def plan(
     `shallow_trace`: where the arguments hold a deep stack of layers, plan from traces of the
     first 3 and 4 (`depth`); pass False for a step that treats some layers differently by their
     index (every 4th layer global attention), which those traces cannot see.
+    `slices`: the devices are that many equal slices (TPU slices, GPU NVLink domains) joined by
+    the profile's slower `dcn` link, ordered slice-major; each collective is priced by the
+    slowest level its group crosses, and tensor and sequence parallelism stay inside a slice
+    unless nothing else fits (`tactics.sliced_meshes`).
 
     Example:
         >>> p = plan(train_step, state, batch, devices=8, hardware="h100")
@@ -87,6 +92,7 @@ def plan(
         batch_argnums=batch_argnums,
         compile_check=compile_check,
         shallow_trace=shallow_trace,
+        slices=slices,
     )[0]
 
 
@@ -116,6 +122,7 @@ def _search(
     tactics: Collection[str] | None = None,
     compile_check: bool | str = "auto",
     shallow_trace: bool = True,
+    slices: int = 1,
 ) -> tuple[Plan, list[Candidate]]:
     """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits
     the search to the named ones (`TACTICS`; "exact" is the thorough level's solver).
@@ -127,7 +134,7 @@ def _search(
     t0 = time.perf_counter()
     if level not in LEVELS:
         raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
-    hw = profile(hardware)
+    hw = profile(hardware).sliced(devices, _slices(devices, slices))
     limit = int(memory_limit or hw.memory_bytes)
     inputs = read_inputs(fn, args, batch_argnums, shallow_trace)
     t1 = time.perf_counter()
@@ -145,6 +152,13 @@ def _search(
     ranked = sorted(candidates, key=lambda c: c.cost.total_seconds)
     fitting = [c for c in ranked if c.cost.peak_bytes_per_device <= limit]
     checked: tuple[str, ...] = ()
+    if not fitting and hw.slice_devices is not None:  # tensor or sequence parallelism over the slow link
+        crossing, _ = _tactic_candidates(
+            inputs, mesh_shapes(devices, inputs, hw, level, cross=True), hw, limit, tactics
+        )
+        ranked = sorted(candidates + crossing, key=lambda c: c.cost.total_seconds)
+        fitting = [c for c in ranked if c.cost.peak_bytes_per_device <= limit]
+        checked = ("no plan fits with tensor and sequence parallelism inside a slice: they may cross slices",)
     if not fitting:
         fitting, said = _fit_by_compiler(fn, args, inputs, ranked, devices, hw, limit, compile_check)
         checked = (said,) if fitting else ()
@@ -169,6 +183,15 @@ def _search(
     )
     plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
     return plan, ranked
+
+
+def _slices(devices: int, slices: int) -> int:
+    if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1 or devices % slices:
+        raise PlanInputError(
+            f"slices must be a whole number of equal slices that divides the devices: got slices={slices!r} for "
+            f"{devices} devices; pass a divisor of {devices} (the number of TPU slices or NVLink domains)"
+        )
+    return slices
 
 
 def _tactic_candidates(inputs: Inputs, meshes, hw: Hardware, limit: int, tactics) -> tuple[list[Candidate], list[str]]:
@@ -417,9 +440,12 @@ def _to_plan(
             runners.append(r)
     used = math.prod(best.mesh.values())
     lost = (_unused(inputs, devices, best, ranked, limit),) if used < devices else ()
+    slices = devices // hw.slice_devices if hw.slice_devices else 1
+    across = (_slow_link_note(best, ranked, hw, limit),) if slices > 1 else ()
     notes = (
         (f"chosen: {best.line()}",)
         + lost
+        + across
         + tuple(
             f"runner-up: {r.line()}" + ("" if r.cost.peak_bytes_per_device <= limit else "  (over the memory limit)")
             for r in sorted(runners, key=lambda r: r.cost.total_seconds)
@@ -437,6 +463,40 @@ def _to_plan(
         devices=devices,
         notes=notes,
         tactic=best.tactic,
+        slices=slices,
+    )
+
+
+ROLES = {"replica": "data parallel", "seq": "sequence parallel", "model": "tensor parallel"}
+
+
+def crossing(mesh: Mapping[str, int], hw: Hardware) -> tuple[str, ...]:
+    """The mesh axes whose groups cross the slow link between slices (devices slice-major)."""
+    names = [a for a in mesh if mesh[a] > 1]
+    return tuple(a for i, a in enumerate(names) if hw.level(math.prod(mesh[n] for n in names[i:])) == "dcn")
+
+
+def _slow_link_note(best: Candidate, ranked: list[Candidate], hw: Hardware, limit: int) -> str:
+    """Which axis crosses the slow link, and why: the best plan that puts something else there."""
+    mine = crossing(best.mesh, hw)
+    slow, fast = hw.dcn or hw.inter, hw.link(hw.slice_devices)
+    fsdp = "fsdp" in best.tactic
+    role = lambda a: (  # noqa: E731
+        "data parallel, FSDP over data inside each slice (HSDP)" if a == "replica" and fsdp
+        else ROLES.get(a) or ("FSDP" if fsdp else "data parallel")
+    )  # fmt: skip
+    said = ", ".join(f"{a}={best.mesh[a]} ({role(a)})" for a in mine) or "nothing"
+    head = (
+        f"across slices ({slow.bandwidth / 1e9:.3g} GB/s per device, {fast.bandwidth / slow.bandwidth:.0f}x slower "
+        f"than within one): {said}"
+    )
+    other = next((c for c in ranked if crossing(c.mesh, hw) != mine and c.cost.peak_bytes_per_device <= limit), None)
+    if other is None:
+        return head + "; no plan that fits puts anything else there"
+    theirs = ", ".join(crossing(other.mesh, hw)) or "nothing"
+    return head + (
+        f"; the best with {theirs} across slices ({other.tactic} on {mesh_text(other.mesh)}) is predicted "
+        f"{other.cost.total_seconds / best.cost.total_seconds:.2f}x slower"
     )
 
 

@@ -193,7 +193,7 @@ def read_inputs(fn, args, batch_argnums, shallow_trace: bool = True) -> Inputs:
     return Inputs(folded, [folded.of(v) for v in leaves], keys, argnum, tuple(batch_argnums), seconds, steps)
 
 
-def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[dict[str, int]]:
+def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str, cross: bool = False) -> list[dict[str, int]]:
     """(data, seq, model) factorizations of all the devices, and of the most devices whose count
     the batch divides (6 of 7 for a batch of 24). `data` must divide the batch and `seq` every
     batch leaf's sequence. The fast level keeps to meshes without seq and with model within a
@@ -214,6 +214,8 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[
         raise PlanInputError("no batch argument found: pass batch_argnums=... naming the arguments that hold the batch")
     divides = lambda d: all(s[0] % d == 0 for s in leaves)
     seq_divides = lambda q: any(len(s) >= 2 for s in leaves) and all(s[1] % q == 0 for s in leaves if len(s) >= 2)
+    if hw.slice_devices is not None:
+        return sliced_meshes(devices, hw, level, divides, seq_divides, cross)
     counts = [devices] + [next((m for m in range(devices - 1, 0, -1) if divides(m)), 1)]
     valid = {
         m: [
@@ -234,6 +236,42 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str) -> list[
     return out
 
 
+def sliced_meshes(devices: int, hw: Hardware, level: str, divides, seq_divides, cross: bool) -> list[dict[str, int]]:
+    """Meshes on slices of `hw.slice_devices` devices, laid out slice-major: (replica, data, seq,
+    model), `replica` outermost and only across slices (data parallel: state replicated over it,
+    so FSDP over `data` inside a slice is hybrid sharding), `data` crossing slices where replica
+    does not take them all (FSDP or data parallel everywhere). Tensor and sequence parallelism
+    stay inside a slice unless `cross` (asked only when nothing else fits). On all the devices,
+    or on the most whole slices that the batch divides."""
+    per = hw.slice_devices
+    slices = devices // per
+    counts = [devices] + [next((k * per for k in range(slices - 1, 0, -1) if divides(k * per)), per)]
+    out = []
+    for m in dict.fromkeys(counts):
+        s = m // per
+        replicas = divisors(s) if level != "fast" else sorted({1, s})
+        for r in replicas:
+            for t in divisors(m // r):
+                for q in divisors(m // r // t):
+                    d = m // r // t // q
+                    if not divides(r * d) or (q > 1 and not seq_divides(q)):
+                        continue
+                    if t * q > per and not cross:
+                        continue  # tensor or sequence parallelism over the slow link
+                    out.append(
+                        {"replica": r, "data": d, "seq": q, "model": t} if r > 1 else {"data": d, "seq": q, "model": t}
+                    )
+    if level != "fast" or cross:
+        return out
+    fast = [mesh for mesh in out if fast_mesh(mesh, hw)]
+    whole = [mesh for mesh in out if math.prod(mesh.values()) == devices]
+    if whole and not any(math.prod(mesh.values()) == devices for mesh in fast):  # as `mesh_shapes` fills
+        largest = max(mesh.get("replica", 1) * mesh["data"] for mesh in whole)
+        fill = [mesh for mesh in whole if mesh.get("replica", 1) * mesh["data"] == largest]
+        fast += [mesh for mesh in fill if mesh["model"] <= _fast_model(hw)] or fill
+    return fast
+
+
 def fast_mesh(mesh: Mapping[str, int], hw: Hardware) -> bool:
     """A mesh the fast level searches: no seq axis, model within one host's fast links."""
     return mesh["seq"] == 1 and mesh["model"] <= _fast_model(hw)
@@ -252,7 +290,7 @@ def batch_shardings(inputs: Inputs, mesh: Mapping[str, int]) -> dict[int, Shardi
     for v, a in zip(inputs.ids, inputs.argnum):
         shape = g.values[v].shape
         if a in inputs.batch_argnums and shape:
-            split = [("data",) if mesh["data"] > 1 else ()] + [()] * (len(shape) - 1)
+            split = [tuple(a for a in ("replica", "data") if mesh.get(a, 1) > 1)] + [()] * (len(shape) - 1)
             if mesh["seq"] > 1 and len(shape) >= 2:
                 split[1] = ("seq",)
             if any(split):
@@ -285,6 +323,8 @@ def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> lis
             plans["expert+megatron"] = {**batch, **em}
             if mesh["data"] > 1:
                 plans["expert+megatron+fsdp"] = {**batch, **add_fsdp(g, em, state, mesh["data"])}
+    if mesh.get("replica", 1) > 1:  # without FSDP, replica x data is the data axis of their product
+        plans = {k: v for k, v in plans.items() if "fsdp" in k}
     out = []
     for name, chosen_specs in plans.items():
         if mesh["model"] > 1 and not any("model" in axes for sh in chosen_specs.values() for axes in sh):

@@ -1,0 +1,42 @@
+"""Plans on slices: hybrid meshes, the slow link named in the notes, slices recorded and bound."""
+
+import jax
+import pytest
+
+import partitioner
+from orchestrator import check_program
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    from examples.gpt.model import program
+
+    state, batch = check_program(program, 24)
+    return program, state, batch
+
+
+@pytest.mark.parametrize("hardware", ["tpu-v5p", "h100"])
+def test_a_plan_on_two_slices_keeps_tensor_parallelism_inside_one_and_says_what_crosses(gpt, hardware):
+    program, state, batch = gpt
+    plan = partitioner.plan(program.step, state, batch, devices=8, slices=2, hardware=hardware, compile_check=False)
+    assert plan.slices == 2 and "in 2 slices" in plan.describe()
+    assert plan.mesh.get("model", 1) * plan.mesh.get("seq", 1) <= 4
+    said = [n for n in plan.notes if n.startswith("across slices")]
+    assert len(said) == 1 and "slower than within one" in said[0]
+    again = partitioner.Plan.from_json(plan.to_json())
+    assert again.slices == 2 and again.mesh == plan.mesh
+    mesh = plan.bind(jax.devices())
+    assert mesh.devices.size == plan.devices_used
+
+
+def test_slices_that_do_not_divide_the_devices_are_refused_with_the_fix(gpt):
+    program, state, batch = gpt
+    with pytest.raises(partitioner.PlanInputError, match=r"slices=3 for 8 devices; pass a divisor of 8"):
+        partitioner.plan(program.step, state, batch, devices=8, slices=3, hardware="tpu-v5p")
+
+
+def test_one_slice_plans_as_before(gpt):
+    program, state, batch = gpt
+    flat = partitioner.plan(program.step, state, batch, devices=8, hardware="tpu-v5p", compile_check=False)
+    one = partitioner.plan(program.step, state, batch, devices=8, slices=1, hardware="tpu-v5p", compile_check=False)
+    assert one.mesh == flat.mesh and one.slices == 1 and one.cost.total_seconds == flat.cost.total_seconds
