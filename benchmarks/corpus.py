@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/corpus.py plantime [NAME ...] # fast plan on 8 devices, guard included
     .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
+    .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
 
 `tables`: for each model, the fast and thorough plans and each expert plan, compiled on 8 fake CPU
 devices and priced from what XLA produced with the h100 profile (`partitioner.verify`), with the
@@ -23,6 +24,11 @@ specs and mesh, its predicted time and the propagations it took; run in two chec
 compared, it shows a change that should not move plans does not.
 `ab`: `plantime`'s plan on 8 devices in this checkout and in the one at BASE (`git worktree add`),
 alternating in three rounds, each run in a fresh process.
+`slices`: the fast plan on 2 slices of 4 and 4 slices of 2 fake devices with the tpu-v5p and
+h100 profiles against the hand-written hybrid plans (`common.hybrid_experts`: HSDP, data parallel
+across slices with Megatron or Megatron+FSDP inside, FSDP and DP everywhere), all compiled and
+priced from the HLO with each collective charged at the links its replica groups cross, and the
+bytes per level predicted against compiled.
 `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
 under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
 used, peak against the limit, plan time.
@@ -170,6 +176,31 @@ def digests(devices: int, layers: int, names) -> None:
         print(f"| {name} | {plan.tactic} {plan.describe()} | {digest} | {ms:.3f} | {count[0]} |", flush=True)
 
 
+def sliced(names) -> None:
+    from tests.corpus import CORPUS, common, load
+
+    print(
+        "| model | slices | profile | fast plan | compiled ms | x best hybrid | best hybrid | dcn MB pred / compiled | inside MB pred / compiled |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names or CORPUS:
+        module, options = load(name)
+        for slices in (2, 4):
+            for hardware in ("tpu-v5p", "h100"):
+                rows = common.compare_sliced(module, slices, hardware, **options)
+                seconds = {label: v.compute_seconds + v.communication_seconds for label, _, v in rows}
+                best = min((label for label in seconds if label != "fast"), key=seconds.get)
+                _, plan, v = rows[0]
+                pred, got = plan.cost.level_bytes or {}, v.level_bytes or {}
+                inside = lambda d: sum(n for k, n in d.items() if k != "dcn") / 1e6  # noqa: E731
+                print(
+                    f"| {name} | {slices} x {8 // slices} | {hardware} | {plan.tactic} {plan.describe()} | "
+                    f"{seconds['fast'] * 1e3:.3f} | {seconds['fast'] / seconds[best]:.3f} | {best} {seconds[best] * 1e3:.3f} | "
+                    f"{pred.get('dcn', 0) / 1e6:.2f} / {got.get('dcn', 0) / 1e6:.2f} | {inside(pred):.2f} / {inside(got):.2f} |",
+                    flush=True,
+                )
+
+
 def large() -> None:
     from partitioner import plan, profile
     from tests.corpus import llama_gqa
@@ -192,7 +223,8 @@ if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]
-    jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names)}
+    jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names),
+            "slices": lambda: sliced(names)}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()

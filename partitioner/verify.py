@@ -57,6 +57,7 @@ class Collective:
     text: str
     span: int = 1  # consecutive devices the group spans
     count: int = 1  # times it runs per call: a while loop's known trip count (a scanned layer's collectives)
+    group: tuple[int, ...] = ()  # the first group's devices (positions in the mesh's device order), where read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,8 @@ class Verification:
     compute_seconds: float
     predicted: Any  # the plan's Cost
     predicted_peak_bytes: int  # the plan's peak as the backend compiled lays it out (see Cost)
+    # Bytes each device sends per call over each network level, on a plan for slices (else None).
+    level_bytes: Mapping[str, int] | None = None
 
     @property
     def collective_bytes(self) -> dict[str, int]:
@@ -155,11 +158,14 @@ def _read(compiled, plan: Plan, hw: Hardware, devices, widths: Mapping[str, int]
         + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes
     )
+    if plan.slices > 1:
+        hw = hw.sliced(plan.devices, plan.slices)
     comm = sum(_seconds(c, hw, plan.mesh) * c.count for c in collectives)
+    levels = _level_bytes(collectives, hw) if plan.slices > 1 else None
     flops = analysed_flops(compiled.cost_analysis()) or 0.0
     cpu = devices[0].platform == "cpu" and plan.cost.cpu_peak_bytes_per_device is not None
     predicted_peak = plan.cost.cpu_peak_bytes_per_device if cpu else plan.cost.peak_bytes_per_device
-    return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost, predicted_peak)
+    return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost, predicted_peak, levels)
 
 
 def parse_collectives(hlo: str, widths: Mapping[str, int] | None = None) -> list[Collective]:
@@ -197,10 +203,11 @@ def parse_collectives(hlo: str, widths: Mapping[str, int] | None = None) -> list
         p, span, count, text = _group_size(line), _group_span(line), runs.get(computation, 1), line.strip()[:160]
         sliced = scattered.get(_name(line), set()) if m.group("kind") == "all-reduce" and p > 1 else set()
         whole = sum(n for i, n in enumerate(sizes) if i not in sliced)
+        group = _first_group(line)
         if whole or not sliced:
-            out.append(Collective(m.group("kind"), whole, p, text, span, count))
+            out.append(Collective(m.group("kind"), whole, p, text, span, count, group))
         if sliced:
-            out.append(Collective("reduce-scatter", sum(sizes[i] for i in sliced) // p, p, text, span, count))
+            out.append(Collective("reduce-scatter", sum(sizes[i] for i in sliced) // p, p, text, span, count, group))
     return out
 
 
@@ -386,6 +393,26 @@ def _group_size(line: str) -> int:
     return _iota_group_size(line)
 
 
+def _first_group(line: str) -> tuple[int, ...]:
+    """The devices of the first replica group, in any of the forms XLA writes: explicit
+    `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`, or over named mesh axes."""
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return tuple(int(x) for x in m.group(1).split(",") if x)
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        groups = [int(d) for d in m.group(1).split(",")]
+        ids = _device_ids(f"([{m.group(2)}]" + (f"T({m.group(3)}))" if m.group(3) else ")"), 0)
+        return tuple(int(i) for i in ids.reshape(-1, groups[-1])[0])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=(\S*))?\s*\{([^}]*)\}", line)
+    if m:
+        axes = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        chosen = set(re.findall(r"'([^']+)'", m.group(3)))
+        ids = _device_ids(m.group(2), math.prod(n for _, n in axes)).reshape([n for _, n in axes])
+        return tuple(int(i) for i in ids[tuple(slice(None) if name in chosen else 0 for name, _ in axes)].ravel())
+    return ()
+
+
 def _group_span(line: str) -> int:
     """How many consecutive devices the first group spans (what decides the link it uses)."""
     m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
@@ -458,7 +485,48 @@ def analysed_flops(analysis) -> float | None:
     return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
+def _split(c: Collective, hw: Hardware):
+    """Where the group spans slices (devices slice-major): how it splits, as the planner prices
+    it (`cost.Split`); None inside one slice, or for a collective without a group read."""
+    from .cost import Split
+
+    if hw.slice_devices is None or len(c.group) < 2:
+        return None
+    slices = {i // hw.slice_devices for i in c.group}
+    if len(slices) < 2:
+        return None
+    inside = len(c.group) // len(slices)
+    members = sorted(i for i in c.group if i // hw.slice_devices == min(slices))
+    extent = members[-1] - members[0] + 1
+    return Split(inside, len(slices), extent, hw.level(extent))
+
+
+def _shard(c: Collective) -> float:
+    """The planner's measure of a collective's bytes: an all-gather's shard, else as read."""
+    return c.bytes / c.group_size if c.kind == "all-gather" else c.bytes
+
+
+def _level_bytes(collectives, hw: Hardware) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in collectives:
+        split = _split(c, hw)
+        sent = (
+            split.bytes(c.kind, _shard(c))
+            if split and c.kind in LEVELLED
+            else {hw.level(max(c.span, c.group_size)): _sent(c)}
+        )
+        for level, n in sent.items():
+            out[level] = out.get(level, 0) + int(n) * c.count
+    return out
+
+
+LEVELLED = ("all-reduce", "all-gather", "reduce-scatter")
+
+
 def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
+    split = _split(c, hw)
+    if split is not None and c.kind in LEVELLED and split.inside > 1:  # level by level, as the planner prices it
+        return split.seconds(c.kind, _shard(c), hw)
     link = hw.link(max(c.span, c.group_size))
     steps = latency_steps(c.kind, c.group_size) if c.kind in ("all-reduce", "all-gather", "reduce-scatter") else 1
     return _sent(c) / link.bandwidth + steps * link.latency

@@ -57,15 +57,17 @@ def _leaf_spec(expert: Expert, path: str, shape: tuple) -> P:
     return P(*entries)
 
 
-def expert_plan(expert: Expert, fn, args):
-    """The expert's plan as a `partitioner.Plan`: state by the rule, the batch over data, the new
-    state as the old and metrics replicated."""
+def expert_plan(expert: Expert, fn, args, slices: int = 1):
+    """The expert's plan as a `partitioner.Plan`: state by the rule, the batch over data (and
+    replica, where the mesh has one: data parallel across slices), the new state as the old and
+    metrics replicated."""
     from partitioner import Cost, Plan
     from partitioner.plan import leaf_key
 
     state, batch = args
     state_specs = jax.tree_util.tree_map_with_path(lambda p, x: _leaf_spec(expert, leaf_key(p), x.shape), state)
-    batch_specs = jax.tree.map(lambda x: P("data") if x.shape else P(), batch)
+    over = tuple(a for a in ("replica", "data") if expert.mesh.get(a, 1) > 1)
+    batch_specs = jax.tree.map(lambda x: P(over) if x.shape and over else P(), batch)
     metrics = jax.eval_shape(fn, *args)[1]
     return Plan(
         mesh=expert.mesh,
@@ -74,7 +76,39 @@ def expert_plan(expert: Expert, fn, args):
         cost=Cost(0.0, 0.0, {}, 0),
         search_seconds=0.0,
         devices=8,
+        slices=slices,
     )
+
+
+def hybrid_experts(experts: tuple[Expert, ...], slices: int, devices: int = 8) -> tuple[Expert, ...]:
+    """The hand-written plans for `slices` slices of `devices`: data parallel across slices with
+    FSDP (HSDP), Megatron, or Megatron with FSDP inside each slice (the model's own tensor-parallel
+    rule, on as many devices of a slice as it has, at most 4); and FSDP and DP over every device."""
+    per = devices // slices
+    rule = next(e.rule for e in experts if e.name == "megatron")
+    t = min(4, per)
+    inside = {"replica": slices, "data": per // t, "model": t}
+    none = lambda path, shape: None  # noqa: E731
+    return (
+        Expert("hsdp", {"replica": slices, "data": per}, none, fsdp=True),
+        Expert("dp x megatron", {k: v for k, v in inside.items() if v > 1}, rule),
+        Expert("dp x megatron+fsdp", {k: v for k, v in inside.items() if v > 1}, rule, fsdp=True),
+        Expert("fsdp everywhere", {"data": devices}, none, fsdp=True),
+        Expert("dp everywhere", {"data": devices}, none),
+    )
+
+
+def compare_sliced(module, slices: int, hardware: str, layers: int = 2, **kwargs) -> list:
+    """The fast plan on `slices` slices of 8 devices against the hand-written hybrid plans, each
+    compiled on 8 devices and priced from what XLA produced, every collective charged level by
+    level at the links its replica groups cross (`partitioner.verify`)."""
+    from partitioner import plan, verify_many
+
+    fn, args = module.build(layers=layers, **kwargs)
+    mine = plan(fn, *args, devices=8, hardware=hardware, slices=slices)
+    hand = [(e.name, expert_plan(e, fn, args, slices)) for e in hybrid_experts(module.EXPERTS, slices)]
+    found = verify_many([(p, fn, args) for _, p in [("fast", mine)] + hand], hardware=hardware)
+    return [("fast", mine, found[0])] + [(name, p, v) for (name, p), v in zip(hand, found[1:])]
 
 
 @dataclasses.dataclass(frozen=True)

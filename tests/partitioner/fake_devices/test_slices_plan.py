@@ -40,3 +40,18 @@ def test_one_slice_plans_as_before(gpt):
     flat = partitioner.plan(program.step, state, batch, devices=8, hardware="tpu-v5p", compile_check=False)
     one = partitioner.plan(program.step, state, batch, devices=8, slices=1, hardware="tpu-v5p", compile_check=False)
     assert one.mesh == flat.mesh and one.slices == 1 and one.cost.total_seconds == flat.cost.total_seconds
+
+
+def test_compiled_collectives_are_charged_at_the_levels_their_groups_cross(gpt):
+    # A memory limit that forces sharding: HSDP (FSDP inside a slice, data parallel across).
+    program, state, batch = gpt
+    free = partitioner.plan(program.step, state, batch, devices=8, slices=2, hardware="tpu-v5p", compile_check=False)
+    limit = int(0.6 * free.cost.peak_bytes_per_device)
+    plan = partitioner.plan(program.step, state, batch, devices=8, slices=2, hardware="tpu-v5p", memory_limit=limit,
+                            compile_check=False)  # fmt: skip
+    assert plan.mesh.get("replica") == 2 and "fsdp" in plan.tactic
+    assert any("replica=2 (data parallel, FSDP over data inside each slice (HSDP))" in n for n in plan.notes)
+    v = partitioner.verify(plan, program.step, state, batch, hardware="tpu-v5p")
+    assert set(v.level_bytes) == set(plan.cost.level_bytes) == {"host", "dcn"}
+    assert 0 < v.level_bytes["dcn"] < v.level_bytes["host"]  # only the shards' reduction crosses slices
+    assert v.level_bytes["dcn"] == pytest.approx(plan.cost.level_bytes["dcn"], rel=0.25)
