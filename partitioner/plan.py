@@ -231,11 +231,14 @@ class Plan:
 
 
 def _slice_major(devices: list, slices: int) -> list:
-    """`devices` with each slice's together, when they say their slice and there are several."""
+    """`devices` with each slice's together, where they say their slices (TPUs in several slices
+    do; CPU and GPU devices say one, or none: their order, process by process, is the slices')."""
     if slices == 1 or any(getattr(d, "slice_index", None) is None for d in devices):
         return devices
-    order = sorted(range(len(devices)), key=lambda i: (devices[i].slice_index, i))
     counts = collections.Counter(d.slice_index for d in devices)
+    if len(counts) == 1:
+        return devices
+    order = sorted(range(len(devices)), key=lambda i: (devices[i].slice_index, i))
     if len(counts) != slices or len(set(counts.values())) != 1:
         raise ValueError(
             f"plan is for {slices} equal slices, but the devices given are in {len(counts)} slices of "

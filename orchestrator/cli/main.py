@@ -102,6 +102,12 @@ def _add_plan(sub) -> None:
     plan = sub.add_parser("plan", help="plan a job's step (JOB.toml) or a function (MODULE:ATTR returns (fn, args))")
     plan.add_argument("target", help="a job file (its program, batch, hardware and planner level) or MODULE:ATTR")
     plan.add_argument("--devices", type=int, required=True)
+    plan.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="the devices are this many equal slices (TPU slices, NVLink domains) joined by the slower network",
+    )
     plan.add_argument("--hardware", help="hardware profile (default: the job's; h100 for MODULE:ATTR)")
     plan.add_argument(
         "--level",

@@ -18,10 +18,14 @@ def run(args) -> int:
 
     importable_from_here()
     fn, fargs, hardware, level, planner = _target(args)
+    if planner == "shapes" and args.slices != 1:
+        raise SystemExit(
+            "remesh plan: --slices needs the search planner (--planner search): plans by shapes see no slices"
+        )
     if planner == "shapes":
         p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=hardware)
     else:
-        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=hardware, level=level)
+        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=hardware, level=level, slices=args.slices)
     if args.json:
         print(p.to_json())
         return 0
@@ -33,6 +37,8 @@ def run(args) -> int:
     )
     for kind, n in c.collective_bytes.items():
         print(f"  {kind}: {n / 2**20:.2f} MiB per device")
+    for level, n in sorted((c.level_bytes or {}).items()):
+        print(f"  over {level} links: {n / 2**20:.2f} MiB per device")
     for n in p.notes:
         print(f"  note: {n}")
     print(f"  searched in {p.search_seconds:.3f} s")

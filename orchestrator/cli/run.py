@@ -79,14 +79,17 @@ def job_planner(job: JobSpec, step, state, batch):
     """devices -> the plan of the job's step for that many devices, as the job file says to plan."""
     import partitioner
 
+    layout = job.slices()
+
     def planner(devices: int):
+        slices = layout.slices(devices // job.hosts.devices_per_host)  # a group runs on whole slices
         if job.search_level is None:
             return partitioner.plan_by_shapes(step, state, batch, devices=devices, hardware=job.hardware)
         # No compile check here: the driver's devices are not the cluster's (one CPU device on a
         # real head node, where the check is skipped anyway), and every re-plan is on the
         # recovery path. `remesh plan` shows what the check would choose.
         return partitioner.plan(step, state, batch, devices=devices, hardware=job.hardware, level=job.search_level,
-                                compile_check=False)  # fmt: skip
+                                compile_check=False, slices=slices)  # fmt: skip
 
     return planner
 
@@ -111,9 +114,16 @@ def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: in
             log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
             printer = stack.enter_context(Console(log)).print
             printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
-        n = hosts or job.hosts.max
-        printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices")
-        cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host).create()
+        n, layout = hosts or job.hosts.max, job.slices()
+        per = layout.hosts_per_slice
+        printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices"
+                + (f", {layout.slices(n)} slices of {per}" if per else ""))  # fmt: skip
+        cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host, hosts_per_slice=per).create()
+        if per is not None:
+            from ..hosts.slices import SlicedCluster
+
+            stack.callback(cluster.shutdown)
+            return SlicedCluster(cluster, layout), printer
     stack.callback(cluster.shutdown)
     return cluster, printer or (lambda line: print(line, flush=True))
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..hosts.group import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
+from ..hosts.slices import SlicedCluster
 from ..job.jobfile import JobSpec
 from ..protocol import Compile, CompileAhead, Event, EventKind, Report, Restore, SegmentSpec, Step
 from . import policies
@@ -273,6 +274,8 @@ class JobController:
         placed = {}
         if self.fleet is not None:  # the hosts the fleet scheduler reserved for this job
             placed = {"placements": self.fleet.placements(self.fleet.alive_hosts()[: state.hosts])}
+        elif isinstance(self.cluster, SlicedCluster):  # whole slices, slice-major, as the plan's devices
+            placed = {"nodes": self.cluster.alive_hosts()[: state.hosts]}
         try:
             self.group = self.group_cls(state.hosts, HostGroupConfig(env_vars=self._host_env()), self.standby, **placed)
         except HostsUnavailableError as e:
@@ -302,8 +305,13 @@ class JobController:
             return None
         restore = None
         if self.segments:  # a new run's keepers hold nothing
-            restore = self.snapshots.newest(set(self.cluster.alive_hosts()), after=self.committed())
+            restore = self.snapshots.newest(set(self._live_hosts()), after=self.committed())
         return self.snapshots.plans(self.group.node_ids, len(self.segments), restore)
+
+    def _live_hosts(self) -> list[str]:
+        """Every live host, those of a slice that lost one included (their keepers hold snapshots)."""
+        live = getattr(self.cluster, "live_hosts", None)
+        return live() if live is not None else self.cluster.alive_hosts()
 
     def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, hook) -> SegmentSpec:
         job = self.job
@@ -484,13 +492,19 @@ class JobController:
 
     def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None) -> State:
         detected = self.clock()
-        alive = set(self.cluster.alive_hosts())
-        dead_nodes = [n for n in e.node_ids if n not in alive]
+        alive, live = set(self.cluster.alive_hosts()), set(self._live_hosts())  # usable; every live one
+        dead_nodes = [n for n in e.node_ids if n not in live]
+        left = [n for n in (self.group.node_ids if self.group else ()) if n in live and n not in alive]
+        if left:  # a slice does not run with a host missing: its other hosts leave the group too
+            self.callbacks.on_warning(
+                self, f"{len(left)} host(s) of the slice that lost a host leave the group with it"
+            )
         caused = self.callbacks.lost_at(e.node_ids)
         failures = recovery.failures + 1 if recovery is not None else 1
         snapshot_every = self.segment.snapshot_every if self.segment else 0
         self._event(EventKind.HOST_LOST, seconds=(detected - caused) if caused is not None else 0.0, hosts=e.indices,
-                    nodes_dead=len(dead_nodes), snapshot_every=snapshot_every, detail=str(e))  # fmt: skip
+                    nodes_dead=len(dead_nodes), slice_left=len(left), snapshot_every=snapshot_every,
+                    detail=str(e))  # fmt: skip
         self._stop_group()
         decision = self.failure.on_failure(
             policies.Failure(

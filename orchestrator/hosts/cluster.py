@@ -21,6 +21,7 @@ import warnings
 import ray
 
 from .group import HOST_RESOURCE, alive_hosts
+from .slices import SLICE_RESOURCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class LocalClusterConfig:
     health_check_period_ms: int = 300
     health_check_failure_threshold: int = 3
     object_store_bytes: int = 80 * 2**20
+    hosts_per_slice: int | None = None  # lay the hosts out in slices of this many (a resource each says)
 
     def create(self) -> LocalCluster:
         return LocalCluster(self)
@@ -63,23 +65,34 @@ class LocalCluster:
                     _system_config=system_config,
                 ),
             )
-        for _ in range(config.hosts):
-            self._add_node()
+        self._slices: dict[str, str] = {}  # node id -> slice, where laid out in slices
+        for i in range(config.hosts):
+            self._add_node(str(i // config.hosts_per_slice) if config.hosts_per_slice else None)
         ray.init(address=self._cluster.address, log_to_driver=False)
 
     @property
     def address(self) -> str:
         return self._cluster.address
 
-    def _add_node(self):
+    def _add_node(self, slice_name: str | None = None):
+        resources = {HOST_RESOURCE: 1}
+        if slice_name is not None:
+            resources[SLICE_RESOURCE + slice_name] = 1
         with warnings.catch_warnings(), _daemons_in_own_process_groups():
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            return self._cluster.add_node(
-                num_cpus=1, resources={HOST_RESOURCE: 1}, object_store_memory=self.config.object_store_bytes
+            node = self._cluster.add_node(
+                num_cpus=1, resources=resources, object_store_memory=self.config.object_store_bytes
             )
+        if slice_name is not None:
+            self._slices[node.node_id] = slice_name
+        return node
 
     def alive_hosts(self) -> list[str]:
         return alive_hosts()
+
+    def host_slices(self) -> dict[str, str]:
+        """Each live host's slice, where laid out in slices (else {})."""
+        return {node: self._slices[node] for node in self.alive_hosts() if node in self._slices}
 
     def host_env(self) -> dict[str, str]:
         """Set before jax is imported in each host process: this emulated host's fake devices."""
@@ -102,8 +115,16 @@ class LocalCluster:
 
     def add_host(self) -> None:
         """Start one more host (Ray starts a node's daemons from the main thread only; the
-        running group keeps training meanwhile)."""
-        self._add_node()
+        running group keeps training meanwhile). Laid out in slices, it joins the slice with the
+        fewest live hosts: the one a lost host left short."""
+        if not self.config.hosts_per_slice:
+            self._add_node()
+            return
+        alive = set(self.alive_hosts())
+        count = {s: 0 for s in dict.fromkeys(self._slices.values())}
+        for node, s in self._slices.items():
+            count[s] += node in alive
+        self._add_node(min(count, key=lambda s: (count[s], int(s))))
 
     def shutdown(self) -> None:
         """Disconnect, then SIGKILL every node's daemons: the hosts are already stopped and Ray

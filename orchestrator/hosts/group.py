@@ -81,14 +81,20 @@ def alive_hosts() -> list[str]:
 
 
 class HostGroup:
-    def __init__(self, hosts: int, config: HostGroupConfig, standby: StandbyPool | None = None, placements=None):
+    def __init__(
+        self, hosts: int, config: HostGroupConfig, standby: StandbyPool | None = None, placements=None, nodes=None
+    ):
         """`placements`: one placement group per host, reserved for this job by the fleet scheduler
-        (fleet/cluster.py): the actors go there; None: a placement group of its own for the group."""
+        (fleet/cluster.py): the actors go there; None: a placement group of its own for the group.
+        `nodes`: the hosts to run on, in process order (slices: whole ones, slice-major); None:
+        any `hosts` live ones."""
         self.size = hosts
         self.config = config
         self._pg = None
         if placements is not None:
             self.actors = [self._actor(pg, 0) for pg in placements[:hosts]]
+        elif nodes is not None:
+            self.actors = self._on_nodes(list(nodes)[:hosts], standby)
         elif standby is not None:
             self.actors = self._from_standby(hosts, standby)
         else:
@@ -129,6 +135,23 @@ class HostGroup:
         standby.refill(missing, self.config.env_vars)
         taken.update(standby.take(len(missing), missing))
         return list(taken.values())
+
+    def _on_nodes(self, nodes: list[str], standby: StandbyPool | None) -> list:
+        """An actor on each of `nodes`, in that order: a standby one where there is one."""
+        taken = standby.take_on(nodes) if standby is not None else {}
+        return [taken.get(n) or self._pinned(n) for n in nodes]
+
+    def _pinned(self, node: str):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return (
+            actor_cls()
+            .options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                runtime_env={"env_vars": dict(self.config.env_vars)},
+            )
+            .remote()
+        )
 
     @staticmethod
     def _ready(ref, timeout: float) -> bool:

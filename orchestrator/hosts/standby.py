@@ -41,6 +41,10 @@ class StandbyPool:
             self._idle.pop(node)  # died with its node
         return {node: self._idle.pop(node) for node in [n for n in alive if n in self._idle][:hosts]}
 
+    def take_on(self, nodes: Sequence[str]) -> dict[str, ray.actor.ActorHandle]:
+        """The standby actors on `nodes` (node id -> actor) that the pool has, out of it."""
+        return {node: self._idle.pop(node) for node in nodes if node in self._idle}
+
     def shutdown(self) -> None:
         for actor in self._idle.values():
             ray.kill(actor, no_restart=True)

@@ -13,6 +13,7 @@
     min = 2
     max = 4
     devices_per_host = 2
+    hosts_per_slice = 2            # optional: hosts per slice (TPU slice, NVLink domain); default: the profile's
     [checkpoint]
     dir = "checkpoints"            # relative to the job file
     every = 10
@@ -43,6 +44,9 @@ class HostsSpec:
     min: int
     max: int
     devices_per_host: int
+    # Hosts per slice (a TPU slice, a GPU NVLink domain) on the embedded cluster; 0: the hardware
+    # profile's (every GPU host its own slice, one slice of every host on TPU profiles).
+    hosts_per_slice: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,12 @@ class JobSpec:
         shapes alone (`planner = "shapes"`)."""
         return None if self.planner == "shapes" else self.planner
 
+    def slices(self):
+        """The job's slice layout (`hosts.slices.SliceLayout`): hosts per slice, and what fails together."""
+        from .slices import SliceLayout
+
+        return SliceLayout.of(self.hardware, self.hosts.hosts_per_slice)
+
     def with_checkpoint_dir(self, path: str) -> JobSpec:
         return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, dir=os.path.abspath(path)))
 
@@ -99,7 +109,7 @@ _SCHEMA: dict[str, Any] = {
     "planner": (str, "fast"),
     "priority": (int, 0),
     "queue": (str, "default"),
-    "hosts": {"min": int, "max": int, "devices_per_host": int},
+    "hosts": {"min": int, "max": int, "devices_per_host": int, "hosts_per_slice": (int, 0)},
     "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0), "memory_budget": (float, 0.05)},
 }
 
@@ -212,6 +222,11 @@ def _check_values(job: JobSpec, source: str) -> None:
     need(
         job.hosts.devices_per_host > 0, f"key hosts.devices_per_host must be positive, got {job.hosts.devices_per_host}"
     )
+    need(
+        job.hosts.hosts_per_slice >= 0,
+        f"key hosts.hosts_per_slice must be positive (or left out: the profile's), got {job.hosts.hosts_per_slice}",
+    )
+    _check_slices(job, need)
     need(job.checkpoint.every > 0, f"key checkpoint.every must be positive, got {job.checkpoint.every}")
     need(job.checkpoint.keep > 0, f"key checkpoint.keep must be positive, got {job.checkpoint.keep}")
     need(
@@ -223,3 +238,26 @@ def _check_values(job: JobSpec, source: str) -> None:
         "key checkpoint.memory_budget must be a share of step time in [0, 1) (0: no snapshots in host memory), "
         f"got {job.checkpoint.memory_budget}",
     )
+
+
+def _check_slices(job: JobSpec, need) -> None:
+    """Whole slices: hosts.max (and hosts.min, where a lost host takes its slice) a multiple of
+    the hosts per slice."""
+    from partitioner import UnknownHardwareError
+
+    try:
+        layout = job.slices()
+    except UnknownHardwareError as e:
+        need(False, f"key hardware: {e.args[0]}")
+        return
+    per = layout.hosts_per_slice
+    if per is None or per == 1:
+        return
+    for key in ("max", "min") if layout.fails_by == "slice" else ("max",):
+        n = getattr(job.hosts, key)
+        need(
+            n % per == 0,
+            f"key hosts.hosts_per_slice = {per} does not divide hosts.{key} = {n}: a job runs on whole slices "
+            f"(on {job.hardware} a lost host takes its slice); set hosts.{key} to a multiple of {per}, or "
+            "hosts_per_slice to a divisor of it",
+        )

@@ -45,6 +45,14 @@ def test_plan_command_explains_its_choice(capsys):
     )
 
 
+def test_plan_command_on_slices_says_what_crosses_the_slow_link(capsys):
+    argv = ["plan", "examples.gpt.model:plan_target", "--devices", "8", "--slices", "2", "--hardware", "tpu-v5p"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "in 2 slices)" in out and "note: across slices (6.25 GB/s per device, 14x slower than within one)" in out
+    assert "over host links:" in out
+
+
 def test_plan_notes_say_in_one_line_why_devices_go_unused_however_many_there_are(capsys):
     assert main(["plan", "examples.gpt.model:plan_target", "--devices", "1024", "--hardware", "h100"]) == 0
     (reason,) = [line for line in capsys.readouterr().out.splitlines() if "note: using" in line]

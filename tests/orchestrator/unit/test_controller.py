@@ -61,9 +61,9 @@ def fake_group_cls(world, every, now):
         return {"kind": "checkpoint", "step": step, "seconds": 0.01, "at": now()}
 
     class FakeGroup:
-        def __init__(self, hosts, config, standby=None, placements=None):
+        def __init__(self, hosts, config, standby=None, placements=None, nodes=None):
             self.size = hosts
-            self.node_ids = world.alive_hosts()[:hosts]
+            self.node_ids = list(nodes)[:hosts] if nodes is not None else world.alive_hosts()[:hosts]
             self.placements = placements
             self.stop = False
             self.step = None
@@ -138,8 +138,10 @@ def fake_plan(devices):
     )
 
 
-def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0):
-    """A controller on `world`, and the run summary its callbacks keep; the terminal's lines go to `lines`."""
+def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0,
+         cluster=None):  # fmt: skip
+    """A controller on `world` (seen through `cluster`, where given), and the run summary its
+    callbacks keep; the terminal's lines go to `lines`."""
     lines = [] if lines is None else lines
     job = parse_job(
         {
@@ -165,7 +167,7 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
         callbacks.append(ChaosCallback(chaos, lines.append))
     c = JobController(
         job,
-        world,
+        cluster or world,
         plans=PlanCache(fake_plan, "f"),
         config=ControllerConfig(
             poll_interval_s=0, host_check_interval_s=0, stop_grace_s=grace, reserve_wait_s=reserve_wait_s
@@ -545,3 +547,40 @@ def test_a_shrink_while_a_grow_waits_for_its_checkpoint_stops_the_group_at_once(
     assert s.events[-1]["kind"] == "shrink"
     run_until(c, lambda: c.phase is Phase.PLANNING)
     assert s.segments[0].last_step < 20 and world.groups[0].stop_now  # not held to the boundary
+
+
+class SlicedWorld(World):
+    """Hosts in slices of 2 (nodes 0-1, 2-3, ...), as the embedded cluster lays them out: a host
+    added joins the slice a lost one left short."""
+
+    def __init__(self, hosts):
+        super().__init__(hosts)
+        self.slices = {n: str(i // 2) for i, n in enumerate(self.alive)}
+
+    def host_slices(self):
+        return {n: self.slices[n] for n in self.alive}
+
+    def add_host(self):
+        live = [self.slices[n] for n in self.alive]
+        short = min(sorted(set(self.slices.values())), key=live.count)
+        super().add_host()
+        self.slices[self.alive[-1]] = short
+
+
+@pytest.mark.parametrize("fails_by, after_loss", [("slice", ["node0", "node1"]), ("host", ["node0", "node1", "node3"])])
+def test_a_lost_host_takes_its_slice_where_slices_fail_whole_and_only_itself_elsewhere(fails_by, after_loss):
+    from orchestrator.hosts.slices import SlicedCluster, SliceLayout
+
+    world = SlicedWorld(4)
+    c, s = make(world, steps=40, cluster=SlicedCluster(world, SliceLayout(2, fails_by)))
+    run_until(c, lambda: s.steps_completed >= 6)
+    world.kill_host("node2")
+    run_until(c, lambda: len(world.groups) == 2 and c.phase is Phase.RUNNING)
+    assert world.groups[1].node_ids == after_loss  # slice-major; a TPU slice's survivor left with it
+    lost = next(e for e in s.events if e["kind"] == "host_lost")
+    assert (lost["nodes_dead"], lost["slice_left"]) == (1, 1 if fails_by == "slice" else 0)
+    world.add_host()  # into slice 1: whole again
+    run_until(c, lambda: len(world.groups) == 3 and c.phase is Phase.RUNNING)
+    assert world.groups[2].node_ids == ["node0", "node1", "node13", "node3"]  # slice 1 whole again, in node order
+    c.run()
+    assert c.phase is Phase.FINISHED and [seg.hosts for seg in s.segments] == [4, len(after_loss), 4]

@@ -1,0 +1,89 @@
+"""Slices: hosts that share a fast network (a TPU slice on ICI, a GPU NVLink domain), joined to
+the other slices by a slower one, and the unit that fails together on TPUs.
+
+Each host says its slice. On a Ray cluster: the node label `ray.io/tpu-slice-name` (Ray sets it
+on Cloud TPU VMs), or the label `remesh.io/slice`, or a resource `remesh_slice_<NAME>` (what
+`ray start --resources` or a KubeRay worker group can set anywhere). On the embedded cluster the
+job file's `[hosts] hosts_per_slice` lays its hosts out, slice by slice, as resources.
+
+`SlicedCluster` wraps a cluster so that the controller sees the hosts it may run on: on a profile
+whose slices fail whole (TPU), only hosts of complete slices; ordered slice-major, as the plan's
+devices are.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from ..job.slices import SliceLayout
+from .group import HOST_RESOURCE
+
+__all__ = ["SliceLayout", "SliceLayoutError", "SlicedCluster", "host_slices"]
+
+SLICE_LABELS = ("ray.io/tpu-slice-name", "remesh.io/slice")
+SLICE_RESOURCE = "remesh_slice_"
+
+
+class SliceLayoutError(ValueError):
+    """The cluster's hosts do not say their slices consistently."""
+
+
+def host_slices(nodes: list[dict] | None = None) -> dict[str, str]:
+    """Live hosts' slices (node id -> slice name), as the nodes say them; {} where no host says
+    one (the cluster is flat). A host that says none while others do is an error naming the fix."""
+    nodes = ray.nodes() if nodes is None else nodes
+    hosts = [n for n in nodes if n["Alive"] and n["Resources"].get(HOST_RESOURCE)]
+    said = {n["NodeID"]: _slice_of(n) for n in hosts}
+    missing = [node for node, name in said.items() if name is None]
+    if len(missing) == len(said):
+        return {}
+    if missing:
+        raise SliceLayoutError(
+            f"{len(missing)} of {len(said)} hosts say no slice (e.g. node {missing[0][:12]}): every host needs the "
+            f"label {SLICE_LABELS[1]}=NAME (`ray start --labels`) or the resource {SLICE_RESOURCE}NAME "
+            f'(`ray start --resources \'{{"{HOST_RESOURCE}": 1, "{SLICE_RESOURCE}0": 1}}\'`), or none of them'
+        )
+    return said
+
+
+def _slice_of(node: dict) -> str | None:
+    labels = node.get("Labels") or {}
+    for key in SLICE_LABELS:
+        if labels.get(key):
+            return str(labels[key])
+    names = [r[len(SLICE_RESOURCE) :] for r in node["Resources"] if r.startswith(SLICE_RESOURCE)]
+    return names[0] if names else None
+
+
+class SlicedCluster:
+    """A cluster seen through its slices: `alive_hosts()` are the hosts a group may run on
+    (`SliceLayout.usable`), slice-major; `live_hosts()` every live host (a broken slice's
+    survivors still hold peer snapshots). Everything else is the wrapped cluster's."""
+
+    def __init__(self, cluster, layout: SliceLayout):
+        self.cluster, self.layout = cluster, layout
+
+    def __getattr__(self, name):
+        return getattr(self.cluster, name)
+
+    def slice_of(self) -> dict[str, str]:
+        """Each live host's slice: as a cluster that lays its hosts out says (the embedded one),
+        else as the hosts say (`host_slices`)."""
+        own = getattr(self.cluster, "host_slices", None)
+        said = own() if own is not None else host_slices()
+        if said:
+            return said
+        per = self.layout.hosts_per_slice
+        if per not in (None, 1):
+            raise SliceLayoutError(
+                f"the job sets {per} hosts per slice but the cluster's hosts say no slice: give every host the label "
+                f'{SLICE_LABELS[1]}=NAME or the resource {SLICE_RESOURCE}NAME (README, "Slices")'
+            )
+        alive = self.cluster.alive_hosts()  # flat: every host its own slice, or one slice of all
+        return {node: str(i) if per == 1 else "0" for i, node in enumerate(alive)}
+
+    def alive_hosts(self) -> list[str]:
+        return self.layout.usable(self.slice_of())
+
+    def live_hosts(self) -> list[str]:
+        return self.cluster.alive_hosts()
