@@ -527,6 +527,8 @@ def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
     split = _split(c, hw)
     if split is not None and c.kind in LEVELLED and split.inside > 1:  # level by level, as the planner prices it
         return split.seconds(c.kind, _shard(c), hw)
-    link = hw.link(max(c.span, c.group_size))
+    # The first group's own extent where it was read (an iota group's span is not its size).
+    span = max(c.group) - min(c.group) + 1 if c.group else c.span
+    link = hw.link(max(span, c.group_size))
     steps = latency_steps(c.kind, c.group_size) if c.kind in ("all-reduce", "all-gather", "reduce-scatter") else 1
     return _sent(c) / link.bandwidth + steps * link.latency

@@ -45,3 +45,13 @@ def test_a_group_across_slices_is_priced_level_by_level():
     assert seconds < flat / 4
     gather = both.bytes("all-gather", n)  # shards of n bytes
     assert gather == pytest.approx({"dcn": 1 * n, "host": 7 * 2 * n})
+
+
+def test_a_compiled_group_is_priced_by_its_own_extent_whatever_form_xla_writes_it_in():
+    from partitioner.verify import Collective, _first_group, _seconds
+
+    line = "%ar = f32[1024]{0} all-reduce(f32[1024]{0} %g), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add"
+    assert _first_group(line) == (0, 4)  # devices 0 and 4: one in each slice of 4
+    hw = profile("tpu-v5p").sliced(devices=8, slices=2)
+    c = Collective("all-reduce", 4096, 2, line, span=2, group=(0, 4))
+    assert _seconds(c, hw, {}) == pytest.approx(4096 / hw.dcn.bandwidth + 2 * hw.dcn.latency)
