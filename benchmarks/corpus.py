@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
+    .venv/bin/python benchmarks/corpus.py slices8k            # 96 layers on 8,192 tpu-v5p chips in 16 slices
 
 `tables`: for each model, the fast and thorough plans and each expert plan, compiled on 8 fake CPU
 devices and priced from what XLA produced with the h100 profile (`partitioner.verify`), with the
@@ -29,6 +30,9 @@ h100 profiles against the hand-written hybrid plans (`common.hybrid_experts`: HS
 across slices with Megatron or Megatron+FSDP inside, FSDP and DP everywhere), all compiled and
 priced from the HLO with each collective charged at the links its replica groups cross, and the
 bytes per level predicted against compiled.
+`slices8k`: `search(..., devices=8192, slices=16, hardware="tpu-v5p")` of the `large` decoder
+(below) at 96 layers, wall time, capture included, median of 3 in this process, alternating with
+the same search on 1,024 devices in one slice (the baseline); the guard is off.
 `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
 under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
 used, peak against the limit, plan time.
@@ -201,6 +205,28 @@ def sliced(names) -> None:
                 )
 
 
+def slices8k() -> None:
+    from partitioner.search import search
+    from tests.corpus import llama_gqa
+
+    c = dict(llama_gqa.CFG, d=8192, heads=64, kv_heads=8, head_dim=128, ff=28672, seq=2048, batch=1024)
+    fn, args = llama_gqa.build(layers=96, form="repeat", c=c)
+    times: dict[tuple, list] = {(8192, 16): [], (1024, 1): []}
+    for _ in range(3):
+        for devices, slices in times:
+            t = time.perf_counter()
+            plan, _ = search(fn, *args, devices=devices, slices=slices, hardware="tpu-v5p", compile_check=False)
+            times[(devices, slices)].append(time.perf_counter() - t)
+            if devices == 8192:
+                chosen = plan
+    for (devices, slices), runs in times.items():
+        print(
+            f"{devices} devices in {slices} slice(s): {', '.join(f'{t:.2f}' for t in runs)} s, median {statistics.median(runs):.2f} s"
+        )
+    print(chosen.describe(), chosen.tactic)
+    print("\n".join(chosen.notes[:3]))
+
+
 def large() -> None:
     from partitioner import plan, profile
     from tests.corpus import llama_gqa
@@ -224,7 +250,7 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]
     jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names),
-            "slices": lambda: sliced(names)}  # fmt: skip
+            "slices": lambda: sliced(names), "slices8k": slices8k}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()

@@ -85,17 +85,18 @@ def hybrid_experts(experts: tuple[Expert, ...], slices: int, devices: int = 8) -
     FSDP (HSDP), Megatron, or Megatron with FSDP inside each slice (the model's own tensor-parallel
     rule, on as many devices of a slice as it has, at most 4); and FSDP and DP over every device."""
     per = devices // slices
-    rule = next(e.rule for e in experts if e.name == "megatron")
-    t = min(4, per)
-    inside = {"replica": slices, "data": per // t, "model": t}
     none = lambda path, shape: None  # noqa: E731
-    return (
+    out = [
         Expert("hsdp", {"replica": slices, "data": per}, none, fsdp=True),
-        Expert("dp x megatron", {k: v for k, v in inside.items() if v > 1}, rule),
-        Expert("dp x megatron+fsdp", {k: v for k, v in inside.items() if v > 1}, rule, fsdp=True),
         Expert("fsdp everywhere", {"data": devices}, none, fsdp=True),
         Expert("dp everywhere", {"data": devices}, none),
-    )
+    ]
+    rule = next((e.rule for e in experts if e.name == "megatron"), None)  # a ResNet's experts have none
+    if rule is not None:
+        t = min(4, per)
+        inside = {k: v for k, v in {"replica": slices, "data": per // t, "model": t}.items() if v > 1}
+        out += [Expert("dp x megatron", inside, rule), Expert("dp x megatron+fsdp", inside, rule, fsdp=True)]
+    return tuple(out)
 
 
 def compare_sliced(module, slices: int, hardware: str, layers: int = 2, **kwargs) -> list:
