@@ -94,21 +94,6 @@ def real(out_dir: str) -> None:
     report(os.path.join(out_dir, "runs.json"))
 
 
-# Ray's actor table every 0.5 s (a process of its own: it needs the cluster's token in its environment).
-WATCH = """
-import json, sys, time
-import ray
-from ray.util.state import list_actors
-ray.init(address=sys.argv[1], log_to_driver=False)
-with open(sys.argv[2], "a") as out:
-    while True:
-        alive = list_actors(filters=[("class_name", "=", "HostActor"), ("state", "=", "ALIVE")], limit=10000)
-        out.write(json.dumps([[a.node_id, a.job_id] for a in alive]) + "\\n")
-        out.flush()
-        time.sleep(0.5)
-"""
-
-
 def _run_trace(cluster, out_dir: str, gpt_job) -> dict:
     store = os.path.join(out_dir, "fleet.db")
     files = {}
@@ -118,8 +103,7 @@ def _run_trace(cluster, out_dir: str, gpt_job) -> dict:
             f.write(gpt_job(name, steps, max_hosts=top, min_hosts=low, priority=priority,
                             checkpoint_dir=os.path.join(out_dir, f"ckpt-{name}")))  # fmt: skip
     actors = os.path.join(out_dir, "actors.jsonl")
-    watch = subprocess.Popen([sys.executable, "-c", WATCH, f"127.0.0.1:{cluster.gcs_port}", actors], env=cluster.env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    watch = cluster.watch_host_actors(actors)
     try:
         runs = _submit_and_wait(cluster, out_dir, files, store)
     finally:

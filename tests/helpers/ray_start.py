@@ -163,6 +163,13 @@ class RayStartCluster:
         os.killpg(self.workers[index].pid, signal.SIGKILL)
         self.workers[index].wait(30)
 
+    def watch_host_actors(self, path: str) -> subprocess.Popen:
+        """A process writing Ray's table of live host actors, [[node id, job id], ...], as a
+        line of JSON to `path` every 0.5 s until killed (a process of its own: it needs this
+        cluster's token in its environment)."""
+        return subprocess.Popen([sys.executable, "-c", _WATCH, f"127.0.0.1:{self.gcs_port}", path], env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
     def metrics(self) -> str:
         """Every node's Prometheus exposition, concatenated."""
         text = []
@@ -187,3 +194,17 @@ class RayStartCluster:
                 os.killpg(p.pid, signal.SIGKILL)  # whatever of its session is left
             except ProcessLookupError:
                 pass
+
+
+_WATCH = """
+import json, sys, time
+import ray
+from ray.util.state import list_actors
+ray.init(address=sys.argv[1], log_to_driver=False)
+with open(sys.argv[2], "a") as out:
+    while True:
+        alive = list_actors(filters=[("class_name", "=", "HostActor"), ("state", "=", "ALIVE")], limit=10000)
+        out.write(json.dumps([[a.node_id, a.job_id] for a in alive]) + "\\n")
+        out.flush()
+        time.sleep(0.5)
+"""

@@ -19,19 +19,6 @@ from tests.helpers.paths import ROOT
 pytestmark = pytest.mark.slow  # two jobs on a shared cluster, then each again alone: minutes
 DEADLINE_S = 900  # the whole scenario, bounded
 
-WATCH = """
-import json, sys, time
-import ray
-from ray.util.state import list_actors
-ray.init(address=sys.argv[1], log_to_driver=False)
-with open(sys.argv[2], "a") as out:
-    while True:
-        alive = list_actors(filters=[("class_name", "=", "HostActor"), ("state", "=", "ALIVE")], limit=10000)
-        out.write(json.dumps([[a.node_id, a.job_id] for a in alive]) + "\\n")
-        out.flush()
-        time.sleep(0.5)
-"""
-
 
 def cli(cluster, *args, timeout=120):
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=cluster.env,
@@ -56,8 +43,7 @@ def shared(tmp_path_factory):
     d = tmp_path_factory.mktemp("priority")
     cluster = RayStartCluster(str(d), workers=4, devices_per_host=2)
     store, out = str(d / "fleet.db"), {"dir": d, "observed": []}
-    watch = subprocess.Popen([sys.executable, "-c", WATCH, f"127.0.0.1:{cluster.gcs_port}", str(d / "actors.jsonl")],
-                             env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    watch = cluster.watch_host_actors(str(d / "actors.jsonl"))
     try:
         low = job_file(d, "low", 150, priority=0, min_hosts=1, max_hosts=4)
         high = job_file(d, "high", 30, priority=5, min_hosts=2, max_hosts=2)
