@@ -60,6 +60,7 @@ def estimate(
     levels: dict[str, int] | None = {} if hardware.slice_devices is not None else None
     off_path = _off_the_matmul_path(graph)
     combined: dict[tuple, int] = {}
+    once: dict[tuple, float] = {}  # the latency a combined all-reduce over those axes pays per round
     held: set[int] = set()  # values a combined all-reduce waits for
     for c in prop.communication:
         p = math.prod(mesh[a] for a in c.axes)
@@ -79,8 +80,16 @@ def estimate(
                     if c.kind == "reduce-scatter"
                     else "all-gather"
                 )
-                comm += n * split.seconds(kind, c.bytes, hardware)
-                sent[kind] = sent.get(kind, 0) + int(sum(split.bytes(c.kind, c.bytes).values())) * n
+                bandwidth, latency = split.seconds(kind, c.bytes, hardware)
+                nbytes = sum(split.bytes(c.kind, c.bytes).values())
+                sent[kind] = sent.get(kind, 0) + int(nbytes) * n
+                if kind == "all-reduce" and c.value in off_path:  # combined, as below
+                    combined[c.axes] = combined.get(c.axes, 0) + int(nbytes) * n
+                    once[c.axes] = latency
+                    held.add(c.value)
+                    comm += n * bandwidth
+                    continue
+                comm += n * (bandwidth + latency)
                 continue
         if c.kind == "all-reduce":
             nbytes = 2 * (p - 1) / p * c.bytes
@@ -99,7 +108,8 @@ def estimate(
     for axes, nbytes in combined.items():
         p = math.prod(mesh[a] for a in axes)
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))
-        comm += rounds * latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency
+        latency = once.get(axes, latency_steps("all-reduce", p) * hardware.link(_span(axes, mesh)).latency)
+        comm += rounds * latency
     if compute + comm >= beyond:
         return None
     if fold is not None:
@@ -248,23 +258,17 @@ class Split:
         out = {self.inner_level: inside, "dcn": across}
         return {k: v for k, v in out.items() if v > 0}
 
-    def seconds(self, kind: str, nbytes: float, hw: Hardware) -> float:
-        """Level by level: inside at the inner group's link, across at the slow one."""
+    def seconds(self, kind: str, nbytes: float, hw: Hardware) -> tuple[float, float]:
+        """(bandwidth, latency) seconds, level by level: inside at the inner group's link,
+        across at the slow one."""
         p_in, p_out = self.inside, self.across
         inner, outer = hw.link(self.inner_span), hw.dcn or hw.inter
+        latency = latency_steps(kind, p_in) * inner.latency + latency_steps(kind, p_out) * outer.latency
         if kind == "all-reduce":
-            return (
-                2 * (p_in - 1) / p_in * nbytes / inner.bandwidth
-                + 2 * (p_out - 1) / p_out * nbytes / p_in / outer.bandwidth
-                + latency_steps("all-reduce", p_in) * inner.latency
-                + latency_steps("all-reduce", p_out) * outer.latency
-            )
-        return (
-            (p_in - 1) * p_out * nbytes / inner.bandwidth
-            + (p_out - 1) * nbytes / outer.bandwidth
-            + latency_steps(kind, p_in) * inner.latency
-            + latency_steps(kind, p_out) * outer.latency
-        )
+            return 2 * (p_in - 1) / p_in * nbytes / inner.bandwidth + 2 * (
+                p_out - 1
+            ) / p_out * nbytes / p_in / outer.bandwidth, latency
+        return (p_in - 1) * p_out * nbytes / inner.bandwidth + (p_out - 1) * nbytes / outer.bandwidth, latency
 
 
 def _span(axes, mesh: Mapping[str, int]) -> int:

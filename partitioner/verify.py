@@ -526,7 +526,7 @@ LEVELLED = ("all-reduce", "all-gather", "reduce-scatter")
 def _seconds(c: Collective, hw: Hardware, mesh: Mapping[str, int]) -> float:
     split = _split(c, hw)
     if split is not None and c.kind in LEVELLED and split.inside > 1:  # level by level, as the planner prices it
-        return split.seconds(c.kind, _shard(c), hw)
+        return sum(split.seconds(c.kind, _shard(c), hw))
     # The first group's own extent where it was read (an iota group's span is not its size).
     span = max(c.group) - min(c.group) + 1 if c.group else c.span
     link = hw.link(max(span, c.group_size))

@@ -306,7 +306,8 @@ class JobController:
         restore = None
         if self.segments:  # a new run's keepers hold nothing
             restore = self.snapshots.newest(set(self._live_hosts()), after=self.committed())
-        return self.snapshots.plans(self.group.node_ids, len(self.segments), restore)
+        slice_of = self.cluster.slice_of() if isinstance(self.cluster, SlicedCluster) else None
+        return self.snapshots.plans(self.group.node_ids, len(self.segments), restore, slice_of)
 
     def _live_hosts(self) -> list[str]:
         """Every live host, those of a slice that lost one included (their keepers hold snapshots)."""

@@ -184,12 +184,18 @@ class Keepers:
                 ).remote()
         return [self._keepers[n] for n in node_ids]
 
-    def plans(self, node_ids: list[str], segment: int, restore: Restore | None) -> list[HostSnapshots]:
-        """Each process keeps its share on its own host and on the next one."""
+    def plans(
+        self, node_ids: list[str], segment: int, restore: Restore | None, slice_of: dict[str, str] | None = None
+    ) -> list[HostSnapshots]:
+        """Each process keeps its share on its own host and on the next one; in slices, on the
+        next one in another slice, so that a slice lost whole loses no share (`slice_of`: node
+        id -> slice; with one slice, the next host)."""
         keepers = self.ensure(node_ids)
         n = len(node_ids)
         return [
-            HostSnapshots(tuple(dict.fromkeys([keepers[i], keepers[(i + 1) % n]])), segment, i, n, restore)
+            HostSnapshots(
+                tuple(dict.fromkeys([keepers[i], keepers[peer(i, node_ids, slice_of)]])), segment, i, n, restore
+            )
             for i in range(n)
         ]
 
@@ -222,3 +228,15 @@ class Keepers:
         for k in self._keepers.values():
             ray.kill(k, no_restart=True)
         self._keepers.clear()
+
+
+def peer(i: int, node_ids: list[str], slice_of: dict[str, str] | None) -> int:
+    """The host that keeps process i's second copy: the next one, or the next in another slice."""
+    n = len(node_ids)
+    if slice_of:
+        mine = slice_of.get(node_ids[i])
+        for k in range(1, n):
+            j = (i + k) % n
+            if slice_of.get(node_ids[j]) != mine:
+                return j
+    return (i + 1) % n

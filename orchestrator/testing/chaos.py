@@ -10,6 +10,8 @@ lose-in-save@S[:H]    host H hangs instead of saving checkpoint S; its node is k
 lose-in-start@S[:H]   host H of the first group started after step S hangs as that group starts
 lose-in-compile@S[:H] (before joining jax.distributed), compiles, or restores; its node is
 lose-in-restore@S[:H] killed there, while the rest of the group waits on it
+lose-slice@S[:K]      after step S is reported, kill every host of the group's slice K at once
+                      (default: its last slice; a job laid out in slices, `hosts_per_slice`)
 add@S                 after step S is reported, add one host to the cluster
 add-in-recovery@S     the first recovery from a host loss after step S gets one host added to the
                       cluster while its new group starts
@@ -32,7 +34,8 @@ from ..protocol import ControllerCallback, Hang, HookRef
 from ..worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
-KINDS = ("lose", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze", "slow")
+KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
+         "slow")  # fmt: skip
 SLOW_INPUT_SECONDS = 0.3
 ANY_CLUSTER = ("slow",)  # kinds that need no control over the cluster's nodes
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?$")
@@ -95,7 +98,9 @@ class ChaosInjector:
 
     def due(self, completed_step: int) -> list[Fault]:
         """`lose`, `add` and `freeze` faults whose step has been reached (each fires once)."""
-        fired = [f for f in self._pending if f.kind in ("lose", "add", "freeze") and f.step <= completed_step]
+        fired = [
+            f for f in self._pending if f.kind in ("lose", "lose-slice", "add", "freeze") and f.step <= completed_step
+        ]
         self._pending = [f for f in self._pending if f not in fired]
         return fired
 
@@ -166,6 +171,9 @@ class ChaosCallback(ControllerCallback):
             if fault.kind == "lose":
                 for host in fault.hosts_in(group.size):
                     self._kill(controller, host, str(fault))
+            elif fault.kind == "lose-slice":
+                for host in self._slice_hosts(controller, fault):
+                    self._kill(controller, host, str(fault))
             elif fault.kind == "freeze":
                 host = fault.host_in(group.size)
                 node = group.node_ids[host]
@@ -175,6 +183,16 @@ class ChaosCallback(ControllerCallback):
             elif fault.kind == "add":
                 self.print(f"chaos {fault}: adding a host")
                 controller.cluster.add_host()
+
+    def _slice_hosts(self, controller, fault: Fault) -> list[int]:
+        """The group's hosts in its slice K (slices in the group's order; K beyond them: the last)."""
+        slice_of = getattr(controller.cluster, "slice_of", None)
+        if slice_of is None:
+            raise ChaosSpecError(f"{fault}: the job is not laid out in slices; set [hosts] hosts_per_slice")
+        said = slice_of()
+        names = list(dict.fromkeys(said[n] for n in controller.group.node_ids))
+        name = names[min(fault.hosts[0] if fault.hosts else len(names) - 1, len(names) - 1)]
+        return [i for i, n in enumerate(controller.group.node_ids) if said[n] == name]
 
     def _kill(self, controller, host: int, why: str) -> None:
         node = controller.group.node_ids[host]

@@ -1,7 +1,8 @@
 """Recovery by the unit that fails, end to end on the embedded cluster: 3 slices x 2 hosts x 2
 fake CPU devices, global batch 24. With the tpu-v5p profile one host lost drops its slice (12 ->
 8 devices) and the slice is added back when its host returns (8 -> 12), training the losses of a
-static run of the same job. (With a GPU profile the same loss removes one host only: the
+static run of the same job; a whole slice lost at once (`lose-slice`) recovers from the peer
+snapshots its hosts kept in other slices. (With a GPU profile the same loss removes one host only: the
 controller's test, `test_a_lost_host_takes_its_slice_...`, and BENCHMARKS.md for a run of it.)
 
 The job plans by shapes (data parallel over every device the batch divides): the searched plan
@@ -65,6 +66,11 @@ def tpu(tmp_path_factory):
     return run(tmp_path_factory, "tpu", "tpu-v5p", "lose@15:2,add@25")
 
 
+@pytest.fixture(scope="module")
+def slice_lost(tmp_path_factory):
+    return run(tmp_path_factory, "slice", "tpu-v5p", "lose-slice@15:1")
+
+
 def same_losses(run, static):
     got, want = np.array(run["losses"], float), np.array(static["losses"], float)
     assert len(got) == len(want) == run["steps"] and not np.isnan(got).any()
@@ -79,3 +85,16 @@ def test_on_tpu_a_lost_host_drops_its_slice_and_the_slice_comes_back_whole(tpu, 
     assert lost["nodes_dead"] == 1 and lost["slice_left"] == 1  # its slice's other host left with it
     assert all(n <= 1 for n in tpu["recomputed_steps"]), tpu["recomputed_steps"]
     same_losses(tpu, static)
+
+
+def test_a_slice_lost_whole_recovers_from_snapshots_kept_in_the_other_slices(slice_lost, static):
+    assert slice_lost["state"] == "finished", slice_lost["_stdout"][-3000:]
+    assert [s["devices"] for s in slice_lost["segments"]] == [12, 8], slice_lost["segments"]
+    lost = next(e for e in slice_lost["events"] if e["kind"] == "host_lost")
+    assert lost["nodes_dead"] == 2  # both hosts of slice 1, at once
+    restore = next(e for e in slice_lost["events"] if e["kind"] == "restore")
+    assert restore["source"] == "memory", restore  # every share was also kept outside the lost slice
+    assert all(n <= 1 for n in slice_lost["recomputed_steps"]), slice_lost["recomputed_steps"]
+    (parts,) = slice_lost["loss_badput"]  # the recovery's time by part, as for a host loss
+    assert parts["total"] > 0 and {"compile", "restore", "lost", "startup", "planning"} <= set(parts)
+    same_losses(slice_lost, static)

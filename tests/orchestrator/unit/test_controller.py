@@ -139,7 +139,7 @@ def fake_plan(devices):
 
 
 def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0,
-         cluster=None):  # fmt: skip
+         cluster=None, max_hosts=4):  # fmt: skip
     """A controller on `world` (seen through `cluster`, where given), and the run summary its
     callbacks keep; the terminal's lines go to `lines`."""
     lines = [] if lines is None else lines
@@ -149,7 +149,7 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
             "program": "m:p",
             "steps": steps,
             "global_batch": 8,
-            "hosts": {"min": 2, "max": 4, "devices_per_host": 2},
+            "hosts": {"min": 2, "max": max_hosts, "devices_per_host": 2},
             "checkpoint": {"dir": "/tmp/x", "every": 5},
         }
     )
@@ -584,3 +584,17 @@ def test_a_lost_host_takes_its_slice_where_slices_fail_whole_and_only_itself_els
     assert world.groups[2].node_ids == ["node0", "node1", "node13", "node3"]  # slice 1 whole again, in node order
     c.run()
     assert c.phase is Phase.FINISHED and [seg.hosts for seg in s.segments] == [4, len(after_loss), 4]
+
+
+def test_a_slice_lost_whole_leaves_the_others_to_go_on():
+    from orchestrator.hosts.slices import SlicedCluster, SliceLayout
+    from orchestrator.testing.chaos import parse_chaos
+
+    world = SlicedWorld(6)
+    sliced = SlicedCluster(world, SliceLayout(2, "slice"))
+    c, s = make(world, steps=20, cluster=sliced, chaos=parse_chaos("lose-slice@6:1"), max_hosts=6)
+    c.run()
+    assert c.phase is Phase.FINISHED
+    assert [g.node_ids for g in world.groups[1:2]] == [["node0", "node1", "node4", "node5"]]
+    lost = next(e for e in s.events if e["kind"] == "host_lost")
+    assert lost["nodes_dead"] == 2 and lost["slice_left"] == 0

@@ -61,3 +61,21 @@ def test_hosts_say_their_slice_by_label_or_resource_and_all_or_none_must():
     assert host_slices([node("a"), node("b")]) == {}
     with pytest.raises(SliceLayoutError, match=r"1 of 2 hosts say no slice.*remesh.io/slice=NAME.*remesh_slice_NAME"):
         host_slices([node("a", "x"), node("b")])
+
+
+def test_a_share_is_kept_in_another_slice_so_a_slice_lost_whole_loses_none():
+    from orchestrator.hosts.keepers import peer
+
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    slices = {"a": "0", "b": "0", "c": "1", "d": "1", "e": "2", "f": "2"}
+    peers = [peer(i, nodes, slices) for i in range(6)]
+    assert peers == [2, 2, 4, 4, 0, 0]
+    assert all(slices[nodes[i]] != slices[nodes[j]] for i, j in enumerate(peers))
+    assert [peer(i, nodes, None) for i in range(6)] == [1, 2, 3, 4, 5, 0]  # one slice: the next host
+    assert [peer(i, ["a", "b"], {"a": "0", "b": "0"}) for i in range(2)] == [1, 0]
+
+
+def test_lose_slice_is_a_fault_of_its_own():
+    from orchestrator.testing.chaos import Fault, parse_chaos
+
+    assert parse_chaos("lose-slice@15:1,add@20") == (Fault("lose-slice", 15, (1,)), Fault("add", 20))
