@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -263,7 +264,7 @@ class JobController:
         if segment is None or segment.first_step_at is None or not times:
             return True
         resize = segment.first_step_at - segment.started_at
-        step = sorted(times)[len(times) // 2]
+        step = statistics.median(times)
         top = self.fleet.registration.max_hosts  # the job file's, or less (`--hosts`)
         saved = (self.job.steps - self.step_reached) * step * (1 - segment.hosts / top)
         return saved > resize
@@ -311,8 +312,7 @@ class JobController:
 
     def _live_hosts(self) -> list[str]:
         """Every live host, those of a slice that lost one included (their keepers hold snapshots)."""
-        live = getattr(self.cluster, "live_hosts", None)
-        return live() if live is not None else self.cluster.alive_hosts()
+        return self.cluster.live_hosts() if isinstance(self.cluster, SlicedCluster) else self.cluster.alive_hosts()
 
     def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, hook) -> SegmentSpec:
         job = self.job
