@@ -1,5 +1,6 @@
 """deploy/ checked against the code: images, entrypoints, resource names, ports and metric names."""
 
+import collections
 import json
 import os
 import re
@@ -12,12 +13,23 @@ import yaml
 from tests.helpers.paths import ROOT
 
 DEPLOY = os.path.join(ROOT, "deploy")
-MANIFESTS = ["raycluster-gpu.yaml", "rayjob-gpu.yaml", "raycluster-tpu.yaml", "rayjob-tpu.yaml"]
+MANIFESTS = [
+    "raycluster-gpu.yaml",
+    "rayjob-gpu.yaml",
+    "raycluster-gb200-nvl72.yaml",
+    "raycluster-tpu.yaml",
+    "rayjob-tpu.yaml",
+    "rayjob-tpu-multislice.yaml",
+]
 
 
 def load(name):
     with open(os.path.join(DEPLOY, "kuberay", name)) as f:
         return yaml.safe_load(f)
+
+
+def _family(name):
+    return "tpu" if "tpu" in name else "gpu"
 
 
 def cluster_spec(doc):
@@ -39,7 +51,7 @@ def test_manifests_use_the_image_the_dockerfile_builds_with_token_auth(name):
     doc = load(name)
     assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] in ("RayCluster", "RayJob")
     spec = cluster_spec(doc)
-    family = "gpu" if "gpu" in name else "tpu"
+    family = _family(name)
     dockerfile = open(os.path.join(DEPLOY, "Dockerfile")).read()
     assert f"-t remesh/remesh:{version()}-{family}" in dockerfile
     import ray
@@ -63,8 +75,8 @@ def test_worker_pods_are_remesh_hosts_with_their_accelerators(name):
         assert resources[HOST_RESOURCE] == 1
         (c,) = group["template"]["spec"]["containers"]
         limits = c["resources"]["limits"]
-        if "gpu" in name:
-            assert limits["nvidia.com/gpu"] == int(group["rayStartParams"]["num-gpus"]) == 8
+        if _family(name) == "gpu":
+            assert limits["nvidia.com/gpu"] == int(group["rayStartParams"]["num-gpus"]) in (4, 8)
         else:
             assert limits["google.com/tpu"] == resources["TPU"] == 4
             assert group["numOfHosts"] > 1  # a multi-host slice
@@ -75,7 +87,7 @@ def test_worker_pods_are_remesh_hosts_with_their_accelerators(name):
             assert chips == group["numOfHosts"] * limits["google.com/tpu"]
 
 
-@pytest.mark.parametrize("name", ["rayjob-gpu.yaml", "rayjob-tpu.yaml"])
+@pytest.mark.parametrize("name", ["rayjob-gpu.yaml", "rayjob-tpu.yaml", "rayjob-tpu-multislice.yaml"])
 def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(name):
     from orchestrator.cli.main import build_parser
     from orchestrator.control.controller import ControllerConfig
@@ -90,13 +102,18 @@ def test_rayjob_entrypoints_are_remesh_commands_whose_job_files_fit_the_pods(nam
     dockerfile = open(os.path.join(DEPLOY, "Dockerfile")).read()
     assert "WORKDIR /app" in dockerfile and "COPY examples ./examples" in dockerfile
     job = load_job(os.path.join(ROOT, args.job))  # /app in the image is the repository root
-    (group,) = cluster_spec(doc)["workerGroupSpecs"]
-    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    accelerators = limits.get("nvidia.com/gpu") or limits.get("google.com/tpu")
-    assert job.hosts.devices_per_host == accelerators
-    assert profile(job.hardware).name.startswith("h100" if "gpu" in name else "tpu")
-    mounts = {m["mountPath"] for m in group["template"]["spec"]["containers"][0]["volumeMounts"]}
-    assert any(job.checkpoint.dir.startswith(m + "/") for m in mounts), (job.checkpoint.dir, mounts)
+    groups = cluster_spec(doc)["workerGroupSpecs"]
+    for group in groups:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        accelerators = limits.get("nvidia.com/gpu") or limits.get("google.com/tpu")
+        assert job.hosts.devices_per_host == accelerators
+        mounts = {m["mountPath"] for m in group["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert any(job.checkpoint.dir.startswith(m + "/") for m in mounts), (job.checkpoint.dir, mounts)
+        if job.hosts.hosts_per_slice:  # the job's slices are the cluster's
+            assert group.get("numOfHosts", 1) == job.hosts.hosts_per_slice, group["groupName"]
+    assert profile(job.hardware).name.startswith("h100" if _family(name) == "gpu" else "tpu")
+    most = sum(g.get("maxReplicas", g["replicas"]) * g.get("numOfHosts", 1) for g in groups)
+    assert job.hosts.min <= job.hosts.max <= most
     # A preemption of the head (where the job's controller runs) gives notice through --stop-file,
     # with time to commit the step reached.
     head = cluster_spec(doc)["headGroupSpec"]["template"]["spec"]
@@ -219,3 +236,54 @@ def test_the_shared_cluster_starts_the_fleet_scheduler_with_its_fleet_file():
         assert job.queue in fleet.quotas
         limit = fleet.quotas[job.queue].hosts
         assert limit is None or job.hosts.min <= limit
+
+
+def _pods(spec):
+    """The worker pods a Ray cluster spec makes at its size, as `ray.nodes()` would list their
+    Ray nodes: resources and labels from each group's rayStartParams, with the container's
+    environment expanded as the `bash -lc` that KubeRay runs `ray start` in expands it (a
+    `spec.nodeName` field reference: a distinct node per pod)."""
+    from ray._private.label_utils import parse_node_labels_string, validate_node_label_syntax, validate_node_labels
+
+    nodes = []
+    for group in spec["workerGroupSpecs"]:
+        params = group["rayStartParams"]
+        (c,) = group["template"]["spec"]["containers"]
+        for replica in range(group["replicas"]):
+            for host in range(group.get("numOfHosts", 1)):
+                pod = f"{group['groupName']}-{replica}-{host}"
+                env = {e["name"]: e.get("value") or f"node-of-{pod}" for e in c["env"]}
+                said = re.sub(r"\$\{(\w+)\}", lambda m, env=env: env[m[1]], params.get("labels", ""))
+                labels = parse_node_labels_string(said)
+                validate_node_labels(labels)  # what `ray start` refuses (ray.io/ keys are Ray's own)
+                validate_node_label_syntax(labels)
+                resources = json.loads(json.loads(params["resources"]))
+                nodes.append({"NodeID": pod, "Alive": True, "Resources": resources, "Labels": labels})
+    return nodes
+
+
+@pytest.mark.parametrize(
+    "name, hardware, slices, hosts",
+    [
+        ("raycluster-gpu.yaml", "h100", 4, 1),  # each 8-GPU host its own NVLink domain
+        ("rayjob-gpu.yaml", "h100", 4, 1),
+        ("raycluster-gb200-nvl72.yaml", "gb200-nvl72", 2, 18),  # a rack of 18 trays a domain
+        ("rayjob-tpu-multislice.yaml", "tpu-v5p", 2, 2),
+    ],
+)
+def test_hosts_say_their_slices_as_remesh_reads_them(name, hardware, slices, hosts):
+    """Each manifest's hosts, as Ray would list them, read by remesh's own `host_slices`: the
+    slices the manifest means, and on TPU a host lost takes its slice out of the usable hosts."""
+    from orchestrator.hosts.slices import host_slices
+    from orchestrator.job.slices import SliceLayout
+
+    nodes = _pods(cluster_spec(load(name)))
+    said = host_slices(nodes)
+    sizes = sorted(collections.Counter(said.values()).values())
+    assert sizes == [hosts] * slices, sizes
+    layout = SliceLayout.of(hardware, hosts)
+    assert layout.usable(said) == sorted(said, key=lambda n: (said[n], n))  # whole slices, slice-major
+    nodes[0]["Alive"] = False
+    left = layout.usable(host_slices(nodes))
+    lost = hosts if layout.fails_by == "slice" else 1
+    assert len(left) == len(nodes) - lost
