@@ -16,11 +16,13 @@ The rules, in order:
    A job that holds fewer hosts than its minimum (one of them died) is a waiting job again.
 3. A queue's jobs hold at most its quota of hosts; a job whose minimum would pass it waits.
 4. Idle hosts go to running jobs up to their maximums, higher priority first and round-robin
-   among equals, except the hosts that a waiting job ahead of them (higher priority, or equal
+   among equals (a slice at a time where a job runs whole slices), except the hosts that a waiting job ahead of them (higher priority, or equal
    and earlier) needs for its minimum: those stay idle for it, so that growth never starves a
    waiting job of the hosts it is waiting for. A running job grows only where it says that
    growing pays for its resize in the steps it has left.
 A running job is never shrunk to grow another: resizes cost steps, and only admissions pay for them.
+A job that runs whole slices (TPU slices: `JobView.unit` hosts each) holds, gains and gives up
+hosts a slice at a time; which hosts make a slice is the scheduler's to choose.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class JobView:
     # Growing would pay for itself: the time more hosts save over the steps left exceeds what a
     # resize costs it. A job near its end stays on what it has, leaving idle hosts to others.
     grows: bool = True
+    unit: int = 1  # hosts it holds them in: a slice that runs whole (its minimum and maximum are multiples)
 
     @property
     def rank(self) -> tuple:
@@ -91,8 +94,10 @@ class _Book:
     def __init__(self, jobs: Sequence[JobView], total: int, config: FleetPolicyConfig):
         self.total, self.config = total, config
         # A job holding fewer than its minimum (a host of its died) cannot run on what it holds:
-        # it is admitted again in its turn, or waits and gives them back.
-        self.hosts = {j.id: j.held if j.held >= j.min_hosts else 0 for j in jobs}
+        # it is admitted again in its turn, or waits and gives them back. Nor on a slice with a
+        # host missing: it holds its whole slices.
+        whole = {j.id: j.held - j.held % j.unit for j in jobs}
+        self.hosts = {j.id: whole[j.id] if whole[j.id] >= j.min_hosts else 0 for j in jobs}
         self.order = sorted(jobs, key=lambda j: j.rank)
         # Victims first: lowest priority, then the cheapest to resize, then the latest arrived.
         self.by_cost = sorted(jobs, key=lambda j: (j.priority, j.since_snapshot, not j.smaller_ready, -j.arrival))
@@ -142,7 +147,7 @@ def _admit(job: JobView, book: _Book) -> bool:
         return False
     short = need - book.idle
     for v in victims:  # shrink first: every victim down to its minimum before any is suspended
-        take = max(0, min(short, hosts[v.id] - v.min_hosts))
+        take = max(0, min(-(-short // v.unit) * v.unit, hosts[v.id] - v.min_hosts))
         book.set(v, hosts[v.id] - take)
         short -= take
     for v in victims:
@@ -167,10 +172,12 @@ def _grow(book: _Book, waiting: list[JobView]) -> None:
         while growing and book.idle > 0:
             still = []
             for job in growing:
-                room = book.room(job.queue)
-                if book.hosts[job.id] >= job.max_hosts or book.idle <= kept[job.id] or room == 0:
+                room, more = book.room(job.queue), job.unit
+                if book.hosts[job.id] + more > job.max_hosts or book.idle - kept[job.id] < more:
                     continue
-                book.set(job, book.hosts[job.id] + 1)
+                if room is not None and room < more:
+                    continue
+                book.set(job, book.hosts[job.id] + more)
                 still.append(job)
             growing = still
 
@@ -202,7 +209,7 @@ def _why(job: JobView, book: _Book) -> str:
             f"{WAITING}needs {job.min_hosts}, {book.idle} idle, {higher} held by jobs of priority {job.priority} or higher"
             + (f", {lower} by lower-priority jobs at their minimums" if lower else "")
         )
-    if room == 0:
+    if room is not None and room < job.unit:
         return f"queue {job.queue!r} is at its quota of {limit} hosts"
     if held < job.held:
         return f"shrunk to {held} of {job.held} hosts for a job of higher priority"

@@ -9,6 +9,13 @@ A reservation for hosts another job still holds waits in Ray until that job give
 a job is told to run only on reservations Ray has placed, so it never grows into a host before
 the host is its own.
 
+On a cluster whose hosts say their slices (`hosts.slices.host_slices`), each reservation is
+pinned to a host the scheduler chooses (a label selector on Ray's `ray.io/node-id`): a job that
+runs whole slices (`Registration.slice_hosts`, a TPU job) gets whole free slices, a slice at a
+time; any other job gets hosts packed into the slices it already has, then into slices already
+broken into, keeping whole slices free for those that need them. A pinned reservation whose host
+died is dropped (Ray cannot place it elsewhere), and the job is granted hosts again.
+
 The controllers speak to it in plain dicts (`Registration`, `Grant`), so that a scheduler
 started by one version of remesh answers another's jobs. A job that stops reporting for
 `FleetSchedulerConfig.lost_after_s` (its driver died) is dropped and its hosts freed.
@@ -16,6 +23,7 @@ started by one version of remesh answers another's jobs. A job that stops report
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -25,6 +33,7 @@ from .policy import FleetPolicyConfig, JobView, Quota, allocate
 
 NAME, NAMESPACE = "remesh-fleet", "remesh"
 HOST_RESOURCE = "remesh_host"
+NODE_LABEL = "ray.io/node-id"  # Ray's own label on every node: pins a reservation to one host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +45,7 @@ class Registration:
     min_hosts: int
     max_hosts: int
     checkpoint_dir: str
+    slice_hosts: int = 0  # hosts of a slice it runs whole (a TPU job); 0: hosts one by one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +84,8 @@ class _Entry:
     shrink: str = ""  # why it was asked to give hosts back, until it has
     waiting_since: float | None = None  # queued (or suspended) since then
     pgs: dict = dataclasses.field(default_factory=dict)  # placement group id -> handle
+    pinned: dict = dataclasses.field(default_factory=dict)  # placement group id -> the node it is pinned to
+    unit: int = 1  # hosts it is granted in: its slice's, where it runs whole slices of a sliced cluster
 
 
 class FleetScheduler:
@@ -89,6 +101,7 @@ class FleetScheduler:
     def register(self, registration: dict) -> dict:
         reg = Registration(**registration)
         check_queue(self.policy, reg.queue, reg.min_hosts, reg.job)
+        _check_slices(reg, _slices())
         held = [e for e in self.jobs.values() if e.reg.checkpoint_dir == reg.checkpoint_dir and e.reg.run != reg.run]
         if held:
             raise ValueError(
@@ -109,13 +122,10 @@ class FleetScheduler:
 
     def release(self, run: str, node_ids: list[str]) -> dict:
         """The job stopped its host actors on `node_ids`: their reservations end."""
-        import ray
-
         entry = self._entry(run)
         for pg_id, pg in list(entry.pgs.items()):
             if _node_of(pg) in node_ids:
-                ray.util.remove_placement_group(pg)
-                del entry.pgs[pg_id]
+                _drop(entry, pg_id)
         return self._decide_and_grant(run)
 
     def finish(self, run: str) -> None:
@@ -174,11 +184,16 @@ class FleetScheduler:
         # again where a host is free): those being placed for the first time, on hosts another
         # job is still giving back, are its own, never idle hosts to hand to someone else.
         # Each reservation's state, asked of Ray's GCS once per decision.
+        alive, said = _alive_hosts(), _slices()
+        for e in self.jobs.values():
+            e.unit = e.reg.slice_hosts if said and e.reg.slice_hosts else 1
+            for pg_id in [pg for pg, node in e.pinned.items() if node not in alive]:
+                _drop(e, pg_id)  # its host died: Ray cannot place a pinned reservation elsewhere
         states = {run: _states(e) for run, e in self.jobs.items()}
         placed = {run: {pg for pg, st in states[run].items() if st == "CREATED"} for run in self.jobs}
         views = [_view(run, e, sum(st in ("CREATED", "PENDING") for st in states[run].values()))
                  for run, e in self.jobs.items()]  # fmt: skip
-        decided = allocate(views, len(_alive_hosts()), self.policy)
+        decided = allocate(views, _capacity(alive, said, self.jobs.values()), self.policy)
         for run, e in self.jobs.items():
             target, reason = decided.hosts[run], decided.reasons.get(run, "")
             if target < e.target:
@@ -188,7 +203,12 @@ class FleetScheduler:
             elif target > 0:
                 e.waiting_since = None
             e.target, e.reason = target, reason
-            _reserve(e, placed[run])
+            _trim(e, placed[run])
+        for run, e in self.jobs.items():  # after every trim: the hosts those freed can be chosen
+            if said:
+                _reserve_pinned(e, _free(alive, said, self.jobs.values()), said)
+            else:
+                _reserve(e)
             if e.shrink and len(placed[run] & set(e.pgs)) <= e.target:
                 e.shrink = ""
 
@@ -196,26 +216,122 @@ class FleetScheduler:
 def _view(run: str, e: _Entry, reserved: int) -> JobView:
     held = min(e.target, reserved)
     r = e.reg
+    min_hosts, max_hosts = _whole(r.min_hosts, e.unit, up=True), _whole(r.max_hosts, e.unit)
     return JobView(
-        run, r.priority, r.queue, r.min_hosts, r.max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready, e.grows
-    )
+        run, r.priority, r.queue, min_hosts, max_hosts, e.arrival, held, e.since_snapshot, e.smaller_ready, e.grows,
+        e.unit,
+    )  # fmt: skip
 
 
-def _reserve(e: _Entry, placed: set[str]) -> None:
-    """Placement groups for `e.target` hosts: new ones where it has fewer (Ray places each when
-    a host is free), pending ones dropped first where it has more (placed ones it gives back)."""
-    import ray
+def _whole(hosts: int, unit: int, up: bool = False) -> int:
+    return -(-hosts // unit) * unit if up else hosts // unit * unit
+
+
+def _trim(e: _Entry, placed: set[str]) -> None:
+    """Where `e` has more reservations than its target: pending ones dropped (placed ones it gives
+    back itself), on a sliced cluster a slice's together."""
+    pending = sorted((pg_id for pg_id in e.pgs if pg_id not in placed), key=lambda pg: e.pinned.get(pg, ""))
+    while len(e.pgs) > e.target and pending:
+        _drop(e, pending.pop())
+
+
+def _reserve(e: _Entry) -> None:
+    """New placement groups where `e` has fewer than its target: Ray places each when a host is free."""
+    while len(e.pgs) < e.target:
+        _add(e, None)
+
+
+def _reserve_pinned(e: _Entry, free: dict[str, str], said: dict[str, str]) -> None:
+    """New placement groups where `e` has fewer than its target, each pinned to a host chosen
+    (`choose_hosts`) among the free ones."""
+    mine = {said.get(node) for node in e.pinned.values()}
+    for node in choose_hosts(free, said, e.target - len(e.pgs), e.unit, mine):
+        _add(e, node)
+
+
+def choose_hosts(free: dict[str, str], said: dict[str, str], count: int, unit: int, mine: set) -> list[str]:
+    """`count` of the `free` hosts (node -> slice) for a job: where it runs whole slices (`unit`
+    hosts each), slices every host of which is free and that have all of theirs (`said`: every
+    live host's slice), as many whole ones as fit; else hosts in the slices it has (`mine`), then
+    in slices others already use, fewest free first, then in whole free slices."""
+    if count <= 0:
+        return []
+    by_slice: dict[str, list[str]] = {}
+    for node in sorted(free):
+        by_slice.setdefault(free[node], []).append(node)
+    size = collections.Counter(said.values())
+    if unit > 1:
+        whole = [s for s in sorted(by_slice) if len(by_slice[s]) == size[s] == unit]
+        return [n for s in whole[: count // unit] for n in by_slice[s]]
+    order = sorted(by_slice, key=lambda s: (s not in mine, len(by_slice[s]) == size[s], len(by_slice[s]), s))
+    return [n for s in order for n in by_slice[s]][:count]
+
+
+def _add(e: _Entry, node: str | None) -> None:
     from ray.util.placement_group import placement_group
 
-    pending = [pg_id for pg_id in e.pgs if pg_id not in placed]
-    while len(e.pgs) > e.target and pending:
-        ray.util.remove_placement_group(e.pgs.pop(pending.pop()))
-    while len(e.pgs) < e.target:
-        # Named for whoever reads `ray list placement-groups`; names must be unique.
-        pg = placement_group(
-            [{HOST_RESOURCE: 1}], strategy="STRICT_PACK", name=f"remesh:{e.reg.run}:{len(e.pgs)}:{_tag()}"
+    # Named for whoever reads `ray list placement-groups`; names must be unique.
+    name = f"remesh:{e.reg.run}:{len(e.pgs)}:{_tag()}"
+    if node is None:
+        pg = placement_group([{HOST_RESOURCE: 1}], strategy="STRICT_PACK", name=name)
+    else:
+        pg = placement_group([{HOST_RESOURCE: 1}], strategy="STRICT_PACK", name=name,
+                             bundle_label_selector=[{NODE_LABEL: node}])  # fmt: skip
+        e.pinned[pg.id.hex()] = node
+    e.pgs[pg.id.hex()] = pg
+
+
+def _drop(e: _Entry, pg_id: str) -> None:
+    import ray
+
+    ray.util.remove_placement_group(e.pgs.pop(pg_id))
+    e.pinned.pop(pg_id, None)
+
+
+def _free(alive: list[str], said: dict[str, str], entries) -> dict[str, str]:
+    """Live hosts no reservation holds or is pinned to (node -> slice)."""
+    taken = set()
+    for e in entries:
+        taken |= set(e.pinned.values())
+        taken |= {_node_of(pg) for pg_id, pg in _placed(e).items() if pg_id not in e.pinned}
+    return {node: said[node] for node in alive if node not in taken and node in said}
+
+
+def _capacity(alive: list[str], said: dict[str, str], entries) -> int:
+    """Hosts the policy shares out: every live host, less, where jobs run whole slices, the hosts
+    of slices that lost one (no such job can run there)."""
+    units = [e.unit for e in entries if e.unit > 1]
+    if not units:
+        return len(alive)
+    size = collections.Counter(said.get(n) for n in alive)
+    return len(alive) - sum(n for s, n in size.items() if s is None or n < max(units))
+
+
+def _slices() -> dict[str, str]:
+    from ..hosts.slices import host_slices
+
+    return host_slices()
+
+
+def _check_slices(reg: Registration, said: dict[str, str]) -> None:
+    """A job that runs whole slices needs a cluster whose hosts say slices of its size."""
+    if not reg.slice_hosts:
+        return
+    from ..hosts.slices import SLICE_LABELS, SLICE_RESOURCE
+
+    if not said:
+        raise ValueError(
+            f"job {reg.job!r} runs whole slices of {reg.slice_hosts} hosts, but this cluster's hosts say no slice: "
+            f"give every host the label {SLICE_LABELS[1]}=NAME or the resource {SLICE_RESOURCE}NAME "
+            '(README, "Slices"), or run the job on a profile whose hosts fail one by one'
         )
-        e.pgs[pg.id.hex()] = pg
+    big = {s: n for s, n in collections.Counter(said.values()).items() if n > reg.slice_hosts}
+    if big:
+        name, n = min(big.items())
+        raise ValueError(
+            f"job {reg.job!r} runs whole slices of {reg.slice_hosts} hosts, but slice {name!r} of this cluster has "
+            f"{n}: set [hosts] hosts_per_slice = {n} in the job file, or leave it out to take the cluster's"
+        )
 
 
 def _tag() -> str:
@@ -249,6 +365,7 @@ def _remove_all(e: _Entry) -> None:
     for pg in e.pgs.values():
         ray.util.remove_placement_group(pg)
     e.pgs.clear()
+    e.pinned.clear()
 
 
 def _alive_hosts() -> list[str]:

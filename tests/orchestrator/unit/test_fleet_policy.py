@@ -149,3 +149,22 @@ def test_a_job_whose_growth_would_not_pay_keeps_its_hosts_and_leaves_idle_ones_t
     b = allocate([ending, job("new", arrival=1, max_hosts=2)], 4)
     assert b.hosts == {"ending": 2, "new": 2}
     assert allocate([job("fresh", grows=False)], 4).hosts == {"fresh": 4}  # admitted now: starts on its maximum
+
+
+def test_jobs_that_run_whole_slices_hold_gain_and_give_up_a_slice_at_a_time():
+    # 3 slices of 2 hosts: a TPU job grows by whole slices, never into half of one.
+    a = allocate([job("tpu", min_hosts=2, max_hosts=6, unit=2)], 5)
+    assert a.hosts == {"tpu": 4}
+    # A host of one of its slices died: it holds one whole slice, and is a waiting job below its minimum.
+    assert allocate([job("tpu", min_hosts=2, max_hosts=6, held=3, unit=2)], 5).hosts == {"tpu": 4}
+    lost = allocate([job("tpu", min_hosts=4, max_hosts=6, held=5, unit=2)], 5)
+    assert lost.hosts == {"tpu": 4}  # 5 held is 2 whole slices: still at its minimum
+    # A higher priority needing 1 host shrinks the TPU job by a whole slice, not by one host.
+    low = job("tpu", priority=0, min_hosts=2, max_hosts=6, held=6, unit=2)
+    high = job("gpu", priority=5, min_hosts=1, max_hosts=1, arrival=1)
+    a = allocate([low, high], 6)
+    assert a.hosts == {"tpu": 4, "gpu": 1}  # the other host of the slice given up stays idle
+    assert a.reasons["tpu"] == "shrunk to 4 of 6 hosts for a job of higher priority"
+    # A quota with room for one host more than it holds does not let a slice job grow.
+    quotas = FleetPolicyConfig({"default": Quota(), "tpu": Quota(3)})
+    assert allocate([job("t", min_hosts=2, max_hosts=6, unit=2, queue="tpu")], 6, quotas).hosts == {"t": 2}
