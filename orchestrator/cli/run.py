@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -13,6 +14,7 @@ import time
 from ..control.controller import ControllerConfig, JobController
 from ..control.planning import PlanCache, program_fingerprint
 from ..fleet.store import FleetStoreConfig
+from ..hosts.slices import SlicedCluster, cluster_layout, host_slices
 from ..job.jobfile import JobSpec
 from ..job.lock import RunLock
 from ..job.program import check_program, importable_from_here, load_program
@@ -48,7 +50,6 @@ def run_job(
     importable_from_here()
     program = load_program(job.program, job.settings())
     state, batch = check_program(program, job.global_batch, job.seed)
-    plans = PlanCache(job_planner(job, program.step, state, batch), program_fingerprint(job.program, state, batch))
     model_flops = step_flops(program.step, (state, batch))["model_flops"]  # once, for every host's MFU
     config = _with_job_paths(config or ControllerConfig(), job)
     committed = lambda: _committed_step(job.checkpoint.dir)
@@ -56,6 +57,9 @@ def run_job(
     with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console, then the lock
         stack.enter_context(RunLock(job.checkpoint.dir, job=job.name, run=run_id))
         cluster, printer = _cluster(job, stack, committed() >= job.steps, address, hosts, printer, run_id)
+        layout = cluster.layout if isinstance(cluster, SlicedCluster) else job.slices()  # the cluster's, where said
+        plans = PlanCache(job_planner(job, program.step, state, batch, layout),
+                          program_fingerprint(job.program, state, batch))  # fmt: skip
         keepers, standby = _keepers_and_standby(job, config, cluster, stack, address)
         recorder = Recorder()
         if store is not None:
@@ -75,11 +79,12 @@ def run_job(
     return summary.summary
 
 
-def job_planner(job: JobSpec, step, state, batch):
-    """devices -> the plan of the job's step for that many devices, as the job file says to plan."""
+def job_planner(job: JobSpec, step, state, batch, layout=None):
+    """devices -> the plan of the job's step for that many devices, as the job file says to plan;
+    `layout`: the slices its groups run on (default: the job file's)."""
     import partitioner
 
-    layout = job.slices()
+    layout = layout or job.slices()
 
     def planner(devices: int):
         slices = layout.slices(devices // job.hosts.devices_per_host)  # a group runs on whole slices
@@ -105,10 +110,22 @@ def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: in
     elif address:
         from ..fleet.cluster import FleetCluster
         from ..fleet.scheduler import Registration
+        from ..hosts.cluster import RayCluster
 
+        RayCluster(address)  # connected: the hosts say their slices
+        said = host_slices()
+        layout = cluster_layout(job.slices(), said, explicit=job.hosts.hosts_per_slice > 0)
+        whole = layout.hosts_per_slice if said and layout.fails_by == "slice" else 0
         low, high = job.hosts.min, min(job.hosts.max, hosts or job.hosts.max)
-        registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir)
+        registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir, whole)
         cluster = FleetCluster(address, registration)
+        if said:
+            printer = printer or (lambda line: print(line, flush=True))
+            sizes = sorted(collections.Counter(said.values()).values())
+            printer(f"slices the cluster's hosts say: {len(sizes)} of {', '.join(map(str, sorted(set(sizes))))} hosts"
+                    + (" (a host lost takes its slice)" if whole else ""))  # fmt: skip
+            stack.callback(cluster.shutdown)
+            return SlicedCluster(cluster, layout), printer
     else:
         if printer is None:
             log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
@@ -120,8 +137,6 @@ def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: in
                 + (f", {layout.slices(n)} slices of {per}" if per else ""))  # fmt: skip
         cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host, hosts_per_slice=per).create()
         if per is not None:
-            from ..hosts.slices import SlicedCluster
-
             stack.callback(cluster.shutdown)
             return SlicedCluster(cluster, layout), printer
     stack.callback(cluster.shutdown)

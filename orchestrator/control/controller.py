@@ -214,6 +214,9 @@ class JobController:
         policy after a host loss), taken if that many are placed."""
         grant = self.fleet.report()
         alive = self.fleet.alive_hosts()
+        stranded = sorted(set(self._live_hosts()) - set(alive))  # of a slice that lost a host: no use to a group
+        if stranded:
+            grant = self.fleet.release(stranded)
         if len(alive) > grant.target:
             grant = self.fleet.release(alive[grant.target :])  # shrunk or suspended: give the rest back
             alive = alive[: grant.target]
@@ -285,7 +288,11 @@ class JobController:
         spawn = self.clock() - t
         plan_json = state.plan.to_json()
         hooks = self.callbacks.test_hooks(self, state.hosts)
-        spec_for = lambda i, coordinator: self._spec(i, coordinator, state.hosts, plan_json, hooks.get(i))
+        slice_ids = self._slice_ids(self.group.node_ids)
+        spec_for = lambda i, coordinator: dataclasses.replace(  # noqa: E731
+            self._spec(i, coordinator, state.hosts, plan_json, hooks.get(i)),
+            slices=len(set(slice_ids)), slice_id=slice_ids[i],
+        )  # fmt: skip
         try:
             self.group.start(spec_for, self._snapshot_plans(), self.plans.executables(plan_json))
         except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss
@@ -313,6 +320,12 @@ class JobController:
     def _live_hosts(self) -> list[str]:
         """Every live host, those of a slice that lost one included (their keepers hold snapshots)."""
         return self.cluster.live_hosts() if isinstance(self.cluster, SlicedCluster) else self.cluster.alive_hosts()
+
+    def _slice_ids(self, node_ids: list[str]) -> list[int]:
+        """Each process's slice among the group's, numbered in process order (slice-major)."""
+        said = self.cluster.slice_of() if isinstance(self.cluster, SlicedCluster) else {}
+        names = list(dict.fromkeys(said.get(node, "") for node in node_ids))
+        return [names.index(said.get(node, "")) for node in node_ids]
 
     def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, hook) -> SegmentSpec:
         job = self.job
@@ -415,11 +428,14 @@ class JobController:
 
     def _prepare_next(self) -> None:
         """What the next group will need, made while this one trains: a standby actor on every live
-        host, and plans for the meshes a resize would likely go to (a host fewer, a host more)."""
+        host, and plans for the meshes a resize would likely go to (a host fewer, a host more; a
+        slice, where slices fail whole)."""
         if self.standby is not None:
             self.standby.refill(self.cluster.alive_hosts(), self._host_env())
-        hosts = self.segment.hosts
-        for n in (hosts - 1, hosts + 1):
+        hosts, unit = self.segment.hosts, 1
+        if isinstance(self.cluster, SlicedCluster) and self.cluster.layout.fails_by == "slice":
+            unit = self.cluster.layout.hosts_per_slice or hosts
+        for n in (hosts - unit, hosts + unit):
             if self.job.hosts.min <= n <= self.job.hosts.max:
                 self.plans.plan_ahead(n * self.job.hosts.devices_per_host)
 

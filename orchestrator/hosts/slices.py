@@ -13,12 +13,14 @@ devices are.
 
 from __future__ import annotations
 
+import collections
+
 import ray
 
 from ..job.slices import SliceLayout
 from .group import HOST_RESOURCE
 
-__all__ = ["SliceLayout", "SliceLayoutError", "SlicedCluster", "host_slices"]
+__all__ = ["SliceLayout", "SliceLayoutError", "SlicedCluster", "cluster_layout", "host_slices"]
 
 SLICE_LABELS = ("ray.io/tpu-slice-name", "remesh.io/slice")
 SLICE_RESOURCE = "remesh_slice_"
@@ -46,6 +48,23 @@ def host_slices(nodes: list[dict] | None = None) -> dict[str, str]:
     return said
 
 
+def cluster_layout(layout: SliceLayout, said: dict[str, str], explicit: bool) -> SliceLayout:
+    """The job's slice layout on a cluster whose hosts say their slices (`said`): hosts per slice
+    as the cluster has them where the job file leaves it to the profile (`explicit` False); a
+    job file's that a slice of the cluster outgrows is an error naming the fix."""
+    if not said:
+        return layout
+    name, most = max(collections.Counter(said.values()).items(), key=lambda kv: kv[1])
+    if not explicit:
+        return SliceLayout(most, layout.fails_by)
+    if most > layout.hosts_per_slice:
+        raise SliceLayoutError(
+            f"the job file sets [hosts] hosts_per_slice = {layout.hosts_per_slice}, but slice {name!r} of the "
+            f"cluster has {most} hosts: set it to {most}, or leave it out to take the cluster's slices"
+        )
+    return layout
+
+
 def _slice_of(node: dict) -> str | None:
     labels = node.get("Labels") or {}
     for key in SLICE_LABELS:
@@ -67,12 +86,14 @@ class SlicedCluster:
         return getattr(self.cluster, name)
 
     def slice_of(self) -> dict[str, str]:
-        """Each live host's slice: as a cluster that lays its hosts out says (the embedded one),
-        else as the hosts say (`host_slices`)."""
+        """Each of this job's live hosts' slice: as a cluster that lays its hosts out says (the
+        embedded one), else as the hosts say (`host_slices`); on a shared cluster, of the hosts
+        granted to this job."""
         own = getattr(self.cluster, "host_slices", None)
         said = own() if own is not None else host_slices()
         if said:
-            return said
+            mine = set(self.cluster.alive_hosts())
+            return {node: name for node, name in said.items() if node in mine}
         per = self.layout.hosts_per_slice
         if per not in (None, 1):
             raise SliceLayoutError(

@@ -6,6 +6,7 @@ belongs to whoever starts the process, never to this module.
 
 from __future__ import annotations
 
+import os
 import time
 
 from ..protocol import SegmentSpec
@@ -16,6 +17,7 @@ def start_group(spec: SegmentSpec) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    os.environ.update(multislice_env(spec))
     if spec.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", spec.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -24,6 +26,27 @@ def start_group(spec: SegmentSpec) -> None:
         if spec.process_id != 0:
             _wait_for_coordinator(spec.coordinator, timeout_s=60)
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, initialization_timeout=60)
+
+
+MEGASCALE_PORT = "8081"  # libtpu's default, as Ray's TPU utilities use it
+
+
+def multislice_env(spec: SegmentSpec) -> dict[str, str]:
+    """What libtpu reads to join a group's TPU slices over the data-center network: the group's
+    slices, this host's, and where their coordinator listens (process 0's host). Set at every
+    group, before the TPU backend starts, over whatever the pod's environment or an earlier group
+    set: stale values (a slice since lost) make libtpu wait for slices that are gone. Nothing on
+    profiles whose hosts are not TPU slices'."""
+    from partitioner import profile
+
+    if profile(spec.hardware).fails_by != "slice":
+        return {}
+    return {
+        "MEGASCALE_COORDINATOR_ADDRESS": spec.coordinator.rsplit(":", 1)[0],
+        "MEGASCALE_PORT": MEGASCALE_PORT,
+        "MEGASCALE_NUM_SLICES": str(spec.slices),
+        "MEGASCALE_SLICE_ID": str(spec.slice_id),
+    }
 
 
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:

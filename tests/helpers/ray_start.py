@@ -49,8 +49,9 @@ def _node_ports() -> list[str]:
 
 
 class RayStartCluster:
-    def __init__(self, root: str, workers: int, devices_per_host: int):
-        self.root = root
+    def __init__(self, root: str, workers: int, devices_per_host: int, slices: list[str] | None = None):
+        """`slices`: each worker's slice, said by the node label `remesh.io/slice` (None: none)."""
+        self.root, self.slices = root, slices
         token = os.path.join(root, "auth_token")
         fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -112,7 +113,9 @@ class RayStartCluster:
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.devices_per_host}",
         }
-        log = open(os.path.join(self.root, f"worker{len(self.workers)}.log"), "w")
+        index = len(self.workers)
+        log = open(os.path.join(self.root, f"worker{index}.log"), "w")
+        labels = ["--labels", f"remesh.io/slice={self.slices[index]}"] if self.slices else []
         self.workers.append(
             subprocess.Popen(
                 [
@@ -128,6 +131,7 @@ class RayStartCluster:
                     json.dumps({"remesh_host": 1}),
                     "--metrics-export-port",
                     str(metrics_port),
+                    *labels,
                     "--block",
                     *_node_ports(),
                 ],

@@ -573,10 +573,17 @@ def test_a_lost_host_takes_its_slice_where_slices_fail_whole_and_only_itself_els
 
     world = SlicedWorld(4)
     c, s = make(world, steps=40, cluster=SlicedCluster(world, SliceLayout(2, fails_by)))
+    asked, planner = [], c.plans.planner
+    c.plans.planner = lambda devices: asked.append(devices) or planner(devices)
     run_until(c, lambda: s.steps_completed >= 6)
+    # Planned ahead for the mesh a loss would leave: a slice fewer where slices fail whole (2 hosts
+    # x 2 devices), else a host fewer (3 x 2).
+    assert asked[0] == 8 and set(asked[1:]) == ({4} if fails_by == "slice" else {6}), asked
     world.kill_host("node2")
     run_until(c, lambda: len(world.groups) == 2 and c.phase is Phase.RUNNING)
     assert world.groups[1].node_ids == after_loss  # slice-major; a TPU slice's survivor left with it
+    ids = [(spec.slices, spec.slice_id) for spec in world.groups[1].specs]
+    assert ids == ([(1, 0)] * 2 if fails_by == "slice" else [(2, 0), (2, 0), (2, 1)])  # what libtpu joins by
     lost = next(e for e in s.events if e["kind"] == "host_lost")
     assert (lost["nodes_dead"], lost["slice_left"]) == (1, 1 if fails_by == "slice" else 0)
     world.add_host()  # into slice 1: whole again
@@ -598,3 +605,24 @@ def test_a_slice_lost_whole_leaves_the_others_to_go_on():
     assert [g.node_ids for g in world.groups[1:2]] == [["node0", "node1", "node4", "node5"]]
     lost = next(e for e in s.events if e["kind"] == "host_lost")
     assert lost["nodes_dead"] == 2 and lost["slice_left"] == 0
+
+
+def test_on_a_shared_cluster_a_slice_that_lost_a_host_is_given_back_whole():
+    from orchestrator.hosts.slices import SlicedCluster, SliceLayout
+
+    class SlicedFleetWorld(FleetWorld):
+        slices = {f"node{i}": str(i // 2) for i in range(4)}
+
+        def host_slices(self):
+            return {n: self.slices[n] for n in self.alive}
+
+    world = SlicedFleetWorld(4, target=4)
+    c, s = make(world, steps=30, cluster=SlicedCluster(world, SliceLayout(2, "slice")))
+    run_until(c, lambda: s.steps_completed >= 6)
+    world.kill_host("node2")
+    world.set_target(2, "2 of at most 4 hosts: the other 2 are held or kept for waiting jobs")
+    run_until(c, lambda: len(world.groups) == 2 and c.phase is Phase.RUNNING)
+    assert world.released == [["node3"]]  # the survivor of the broken slice: no group can run on it
+    assert world.groups[1].node_ids == ["node0", "node1"]
+    c.run()
+    assert c.phase is Phase.FINISHED and [seg.hosts for seg in s.segments] == [4, 2]

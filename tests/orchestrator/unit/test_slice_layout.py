@@ -1,6 +1,8 @@
 """Slices on the orchestrator's side: the job file's `hosts_per_slice`, the hosts a group may run
 on when slices fail whole, and hosts that say their slices inconsistently."""
 
+import dataclasses
+
 import pytest
 
 from orchestrator.hosts.slices import SliceLayout, SliceLayoutError, host_slices
@@ -79,3 +81,44 @@ def test_lose_slice_is_a_fault_of_its_own():
     from orchestrator.testing.chaos import Fault, parse_chaos
 
     assert parse_chaos("lose-slice@15:1,add@20") == (Fault("lose-slice", 15, (1,)), Fault("add", 20))
+
+
+def test_on_a_ray_cluster_the_slices_the_hosts_say_set_the_layout_unless_the_job_file_does():
+    from orchestrator.hosts.slices import SlicedCluster, cluster_layout
+
+    said = {"n0": "a", "n1": "a", "n2": "b", "n3": "b", "n4": "c"}  # slice c lost a host
+    assert cluster_layout(SliceLayout.of("tpu-v5p"), said, explicit=False) == SliceLayout(2, "slice")
+    assert cluster_layout(SliceLayout.of("h100"), said, explicit=False) == SliceLayout(2, "host")
+    assert cluster_layout(SliceLayout.of("tpu-v5p", 4), said, explicit=True) == SliceLayout(4, "slice")
+    assert cluster_layout(SliceLayout.of("tpu-v5p"), {}, explicit=False) == SliceLayout.of("tpu-v5p")
+    with pytest.raises(SliceLayoutError, match=r"hosts_per_slice = 1, but slice 'a' of the cluster has 2 hosts"):
+        cluster_layout(SliceLayout.of("tpu-v5p", 1), said, explicit=True)
+
+    class Granted:  # a shared cluster: this job holds n0, n1 and n4 of the cluster's hosts
+        def alive_hosts(self):
+            return ["n0", "n1", "n4"]
+
+        def host_slices(self):
+            return said
+
+    sliced = SlicedCluster(Granted(), SliceLayout(2, "slice"))
+    assert sliced.slice_of() == {"n0": "a", "n1": "a", "n4": "c"}
+    assert sliced.alive_hosts() == ["n0", "n1"] and sliced.live_hosts() == ["n0", "n1", "n4"]
+
+
+def test_a_tpu_group_tells_libtpu_its_slices_at_every_start_and_other_profiles_nothing(monkeypatch):
+    from orchestrator.job.jobfile import CheckpointSpec
+    from orchestrator.protocol import SegmentSpec
+    from orchestrator.worker.process import multislice_env
+
+    spec = SegmentSpec("m:p", 10, 8, 0, CheckpointSpec("/c", 5), "{}", "10.0.0.7:4100", 4, 3,
+                       hardware="tpu-v5p", slices=2, slice_id=1)  # fmt: skip
+    assert multislice_env(spec) == {
+        "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.7",
+        "MEGASCALE_PORT": "8081",
+        "MEGASCALE_NUM_SLICES": "2",
+        "MEGASCALE_SLICE_ID": "1",
+    }
+    one = dataclasses.replace(spec, slices=1, slice_id=0)  # a slice lost: no waiting for it
+    assert multislice_env(one)["MEGASCALE_NUM_SLICES"] == "1"
+    assert multislice_env(dataclasses.replace(spec, hardware="h100")) == {}
