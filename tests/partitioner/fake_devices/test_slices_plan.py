@@ -35,6 +35,18 @@ def test_slices_that_do_not_divide_the_devices_are_refused_with_the_fix(gpt):
         partitioner.plan(program.step, state, batch, devices=8, slices=3, hardware="tpu-v5p")
 
 
+def test_a_plan_bound_to_devices_in_other_slices_than_it_was_made_for_is_refused_with_the_fix(gpt):
+    program, state, batch = gpt
+    plan = partitioner.plan(program.step, state, batch, devices=8, slices=2, hardware="tpu-v5p", compile_check=False)
+
+    class TpuDevice:  # TPU devices say their slice; these are 8 chips in slices of 3, 3 and 2
+        def __init__(self, i):
+            self.id, self.slice_index = i, (0, 0, 0, 1, 1, 1, 2, 2)[i]
+
+    with pytest.raises(ValueError, match=r"plan is for 2 equal slices, but the devices given are in 3"):
+        plan.bind([TpuDevice(i) for i in range(8)])
+
+
 def test_one_slice_plans_as_before(gpt):
     program, state, batch = gpt
     flat = partitioner.plan(program.step, state, batch, devices=8, hardware="tpu-v5p", compile_check=False)
