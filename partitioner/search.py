@@ -467,7 +467,12 @@ def _to_plan(
     )
 
 
-ROLES = {"replica": "data parallel", "seq": "sequence parallel", "model": "tensor parallel"}
+ROLES = {
+    "replica": "data parallel",
+    "seq": "sequence parallel",
+    "model": "tensor parallel",
+    "expert": "expert parallel",
+}
 
 
 def crossing(mesh: Mapping[str, int], hw: Hardware) -> tuple[str, ...]:

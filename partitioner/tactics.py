@@ -18,6 +18,11 @@ Tactics, on each mesh:
     expert    weights whose leading dimension is a batch factor of their matmul (stacked experts)
               split over model on it, the rest replicated (expert x data parallelism)
     expert+megatron  experts so, the other weights as Megatron splits them (and +fsdp)
+    expert (across slices)  on slices, a mesh whose `expert` axis spans whole slices: stacked
+              experts split over it, the batch over data and expert (the other weights
+              replicated, their gradients reduced over every device), tokens sent to their
+              experts across slices in place of the experts' gradients: where expert weights
+              outweigh the tokens routed to them
     refined   the best tensor-parallel candidates, each weight's split chosen by price in turn
               (a table's by rows or by columns among them)
 On a mesh with seq > 1 every tactic is also sequence (context) parallel: activations are split
@@ -215,7 +220,8 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str, cross: b
     divides = lambda d: all(s[0] % d == 0 for s in leaves)
     seq_divides = lambda q: any(len(s) >= 2 for s in leaves) and all(s[1] % q == 0 for s in leaves if len(s) >= 2)
     if hw.slice_devices is not None:
-        return sliced_meshes(devices, hw, level, divides, seq_divides, cross)
+        experts = bool(_experts(inputs, {"model": 1}))
+        return sliced_meshes(devices, hw, level, divides, seq_divides, cross, experts)
     counts = [devices] + [next((m for m in range(devices - 1, 0, -1) if divides(m)), 1)]
     valid = {
         m: [
@@ -236,13 +242,16 @@ def mesh_shapes(devices: int, inputs: Inputs, hw: Hardware, level: str, cross: b
     return out
 
 
-def sliced_meshes(devices: int, hw: Hardware, level: str, divides, seq_divides, cross: bool) -> list[dict[str, int]]:
+def sliced_meshes(
+    devices: int, hw: Hardware, level: str, divides, seq_divides, cross: bool, experts: bool = False
+) -> list[dict[str, int]]:
     """Meshes on slices of `hw.slice_devices` devices, laid out slice-major: (replica, data, seq,
     model), `replica` outermost and only across slices (data parallel: state replicated over it,
     so FSDP over `data` inside a slice is hybrid sharding), `data` crossing slices where replica
     does not take them all (FSDP or data parallel everywhere). Tensor and sequence parallelism
     stay inside a slice unless `cross` (asked only when nothing else fits). On all the devices,
-    or on the most whole slices that the batch divides."""
+    or on the most whole slices that the batch divides. Where the step has stacked experts
+    (`experts`), also (data, expert) meshes whose expert axis spans two or more whole slices."""
     per = hw.slice_devices
     slices = devices // per
     counts = [devices] + [next((k * per for k in range(slices - 1, 0, -1) if divides(k * per)), per)]
@@ -261,9 +270,13 @@ def sliced_meshes(devices: int, hw: Hardware, level: str, divides, seq_divides, 
                     out.append(
                         {"replica": r, "data": d, "seq": q, "model": t} if r > 1 else {"data": d, "seq": q, "model": t}
                     )
+        if experts and not cross:
+            for k in divisors(s)[1:]:  # expert parallelism over k whole slices, data parallel over the rest
+                if divides(m):
+                    out.append({"data": m // (k * per), "expert": k * per, "seq": 1, "model": 1})
     if level != "fast" or cross:
         return out
-    fast = [mesh for mesh in out if fast_mesh(mesh, hw)]
+    fast = [mesh for mesh in out if fast_mesh(mesh, hw) or "expert" in mesh]
     whole = [mesh for mesh in out if math.prod(mesh.values()) == devices]
     if whole and not any(math.prod(mesh.values()) == devices for mesh in fast):  # as `mesh_shapes` fills
         largest = max(mesh.get("replica", 1) * mesh["data"] for mesh in whole)
@@ -290,7 +303,7 @@ def batch_shardings(inputs: Inputs, mesh: Mapping[str, int]) -> dict[int, Shardi
     for v, a in zip(inputs.ids, inputs.argnum):
         shape = g.values[v].shape
         if a in inputs.batch_argnums and shape:
-            split = [tuple(a for a in ("replica", "data") if mesh.get(a, 1) > 1)] + [()] * (len(shape) - 1)
+            split = [tuple(a for a in ("replica", "data", "expert") if mesh.get(a, 1) > 1)] + [()] * (len(shape) - 1)
             if mesh["seq"] > 1 and len(shape) >= 2:
                 split[1] = ("seq",)
             if any(split):
@@ -307,6 +320,9 @@ def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> lis
     batch = batch_shardings(inputs, mesh)
     state = state_values(inputs)
     plans = {}
+    if mesh.get("expert", 1) > 1:  # experts across slices, and nothing else on the expert axis
+        ep = _experts(inputs, mesh, "expert")
+        return [priced(inputs, "expert", mesh, {**batch, **ep}, hw, batch)] if ep else []
     if mesh["model"] == 1:  # a model axis no weight uses would only repeat the same work
         plans["dp"] = dict(batch)
         if mesh["data"] > 1:
@@ -738,10 +754,10 @@ def _reaching(g: Graph, weights: list[Weight]) -> list[list[tuple[Op, int]]]:
     return out
 
 
-def _experts(inputs: Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
+def _experts(inputs: Inputs, mesh: dict[str, int], axis: str = "model") -> dict[int, Sharding]:
     """Weights whose dimension is a batch factor (PASS, shared with the activation) of their matmul:
-    stacked experts. Split them over model along it."""
-    g, t = inputs.graph, mesh["model"]
+    stacked experts. Split them over `axis` along it."""
+    g, t = inputs.graph, mesh[axis]
     out = {}
     for weight in weights_in_order(inputs):
         if weight.lookup:
@@ -752,7 +768,7 @@ def _experts(inputs: Inputs, mesh: dict[str, int]) -> dict[int, Sharding]:
         shape = weight.shape(g)
         for d, dims in enumerate(w_dims):
             if dims and dims[0] in shared and op.factors[dims[0]].kind is FactorKind.PASS and shape[d] % t == 0:
-                out[weight.value] = weight.sharding(split_over(shape, d, "model"))
+                out[weight.value] = weight.sharding(split_over(shape, d, axis))
                 break
     return out
 

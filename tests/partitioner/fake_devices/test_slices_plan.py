@@ -67,3 +67,23 @@ def test_compiled_collectives_are_charged_at_the_levels_their_groups_cross(gpt):
     assert set(v.level_bytes) == set(plan.cost.level_bytes) == {"host", "dcn"}
     assert 0 < v.level_bytes["dcn"] < v.level_bytes["host"]  # only the shards' reduction crosses slices
     assert v.level_bytes["dcn"] == pytest.approx(plan.cost.level_bytes["dcn"], rel=0.25)
+
+
+def test_experts_are_spread_across_slices_where_that_is_cheaper_than_data_parallelism():
+    """DeepSeek-style MoE (sort dispatch, 8 experts of its corpus size) on 4 slices of 2 H100s: the
+    experts across slices (tokens sent to them over the slow link) in place of their gradients
+    reduced over it, chosen, said, and cheaper compiled than data parallelism across slices with
+    the experts inside each (DeepSeek's own expert parallelism) or everywhere."""
+    from tests.corpus import common, deepseek
+
+    fn, args = deepseek.build(layers=2, form="sort")
+    plan = partitioner.plan(fn, *args, devices=8, slices=4, hardware="h100")
+    assert plan.tactic == "expert" and plan.mesh == {"expert": 4}, plan.describe()
+    assert any(n.startswith("across slices") and "expert=4 (expert parallel)" in n for n in plan.notes), plan.notes
+    inside = common.Expert("dp x experts inside", {"replica": 4, "model": 2}, deepseek.expert_parallel)
+    everywhere = common.Expert("dp everywhere", {"data": 8}, lambda path, shape: None)
+    hand = [common.expert_plan(e, fn, args, slices=4) for e in (inside, everywhere)]
+    mine, *theirs = partitioner.verify_many([(p, fn, args) for p in (plan, *hand)], hardware="h100")
+    seconds = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
+    assert seconds(mine) < min(seconds(v) for v in theirs), [seconds(v) for v in (mine, *theirs)]
+    assert mine.level_bytes["dcn"] > 0  # the tokens' all-to-all crosses slices
