@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
     .venv/bin/python benchmarks/corpus.py slices8k            # 96 layers on 8,192 tpu-v5p chips in 16 slices
+    .venv/bin/python benchmarks/corpus.py slices-experts      # DeepSeek MoE on 4 x 2: experts across slices or not
 
 `tables`: for each model, the fast and thorough plans and each expert plan, compiled on 8 fake CPU
 devices and priced from what XLA produced with the h100 profile (`partitioner.verify`), with the
@@ -33,6 +34,9 @@ bytes per level predicted against compiled.
 `slices8k`: `search(..., devices=8192, slices=16, hardware="tpu-v5p")` of the `large` decoder
 (below) at 96 layers, wall time, capture included, median of 3 in this process, alternating with
 the same search on 1,024 devices in one slice (the baseline); the guard is off.
+`slices-experts`: the corpus DeepSeek-style MoE (sort dispatch) planned on 4 slices of 2 with and
+without the meshes that put experts across slices (`tactics.sliced_meshes(..., experts=False)`
+for the baseline), both compiled and priced from the HLO, same process.
 `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
 under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
 used, peak against the limit, plan time.
@@ -227,6 +231,29 @@ def slices8k() -> None:
     print("\n".join(chosen.notes[:3]))
 
 
+def slices_experts() -> None:
+    from partitioner import plan, tactics, verify_many
+    from tests.corpus import deepseek
+
+    fn, args = deepseek.build(layers=2, form="sort")
+    sliced = tactics.sliced_meshes
+    print("| profile | with: plan | compiled ms | dcn MB | without: plan | compiled ms | dcn MB |")
+    print("|---|---|---|---|---|---|---|")
+    for hardware in ("h100", "tpu-v5p"):
+        plans = []
+        for experts in (True, False):
+            tactics.sliced_meshes = lambda *a, experts=experts, **k: sliced(*a[:6], experts=experts and a[6])
+            plans.append(plan(fn, *args, devices=8, slices=4, hardware=hardware))
+        tactics.sliced_meshes = sliced
+        found = verify_many([(p, fn, args) for p in plans], hardware=hardware)
+        cells = [
+            f"{p.tactic} on {p.describe()} | {(v.compute_seconds + v.communication_seconds) * 1e3:.3f} | "
+            f"{v.level_bytes.get('dcn', 0) / 1e6:.1f}"
+            for p, v in zip(plans, found)
+        ]
+        print(f"| {hardware} | {' | '.join(cells)} |", flush=True)
+
+
 def large() -> None:
     from partitioner import plan, profile
     from tests.corpus import llama_gqa
@@ -250,7 +277,7 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]
     jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names),
-            "slices": lambda: sliced(names), "slices8k": slices8k}  # fmt: skip
+            "slices": lambda: sliced(names), "slices8k": slices8k, "slices-experts": slices_experts}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()
