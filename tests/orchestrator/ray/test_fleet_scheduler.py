@@ -6,11 +6,10 @@ import time
 
 import pytest
 import ray
+from helpers.fleet import DEADLINE_S, until
 
 from orchestrator.fleet.scheduler import FleetSchedulerConfig, Grant, start
 from orchestrator.hosts.cluster import LocalClusterConfig
-
-DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +30,6 @@ def fleet(cluster, request):
 def registration(run, priority=0, min_hosts=1, max_hosts=4, queue="default"):
     return dict(run=run, job=run.split("-")[0], priority=priority, queue=queue, min_hosts=min_hosts,
                 max_hosts=max_hosts, checkpoint_dir=f"/ckpt/{run}")  # fmt: skip
-
-
-def until(fleet, run, placed, what):
-    """The job's grant once Ray has placed `placed` of its hosts (bounded: DEADLINE_S)."""
-    end = time.monotonic() + DEADLINE_S
-    while True:
-        grant = Grant.from_dict(ray.get(fleet.report.remote(run)))
-        if len(grant.hosts) == placed or time.monotonic() > end:
-            assert len(grant.hosts) == placed, f"{what}: {grant}"
-            return grant
-        time.sleep(0.05)
 
 
 def no_host_held_twice(fleet):

@@ -4,15 +4,13 @@ the scheduler chooses; a job whose hosts go one by one is packed into slices alr
 into; a host lost drops its reservation, and its slice is not granted whole until it is back."""
 
 import collections
-import time
 
 import pytest
 import ray
+from helpers.fleet import until
 
 from orchestrator.fleet.scheduler import FleetSchedulerConfig, Grant, start
 from orchestrator.hosts.cluster import LocalClusterConfig
-
-DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +30,6 @@ def fleet(cluster):
 def registration(run, priority=0, min_hosts=2, max_hosts=6, slice_hosts=2):
     return dict(run=run, job=run.split("-")[0], priority=priority, queue="default", min_hosts=min_hosts,
                 max_hosts=max_hosts, checkpoint_dir=f"/ckpt/{run}", slice_hosts=slice_hosts)  # fmt: skip
-
-
-def until(fleet, run, placed, what):
-    """The job's grant once Ray has placed `placed` of its hosts (bounded: DEADLINE_S)."""
-    end = time.monotonic() + DEADLINE_S
-    while True:
-        grant = Grant.from_dict(ray.get(fleet.report.remote(run)))
-        if len(grant.hosts) == placed or time.monotonic() > end:
-            assert len(grant.hosts) == placed, f"{what}: {grant}"
-            return grant
-        time.sleep(0.05)
 
 
 def slices_of(cluster, grant):
