@@ -185,9 +185,10 @@ class FleetScheduler:
         # job is still giving back, are its own, never idle hosts to hand to someone else.
         # Each reservation's state, asked of Ray's GCS once per decision.
         alive, said = _alive_hosts(), _slices()
+        live = set(alive)
         for e in self.jobs.values():
             e.unit = e.reg.slice_hosts if said and e.reg.slice_hosts else 1
-            for pg_id in [pg for pg, node in e.pinned.items() if node not in alive]:
+            for pg_id in [pg for pg, node in e.pinned.items() if node not in live]:
                 _drop(e, pg_id)  # its host died: Ray cannot place a pinned reservation elsewhere
         states = {run: _states(e) for run, e in self.jobs.items()}
         placed = {run: {pg for pg, st in states[run].items() if st == "CREATED"} for run in self.jobs}
@@ -203,10 +204,11 @@ class FleetScheduler:
             elif target > 0:
                 e.waiting_since = None
             e.target, e.reason = target, reason
-            _trim(e, placed[run])
+            _trim(e, placed[run], said)
+        free = _free(alive, said, self.jobs.values(), placed) if said else {}
         for run, e in self.jobs.items():  # after every trim: the hosts those freed can be chosen
             if said:
-                _reserve_pinned(e, _free(alive, said, self.jobs.values()), said)
+                _reserve_pinned(e, free, said)
             else:
                 _reserve(e)
             if e.shrink and len(placed[run] & set(e.pgs)) <= e.target:
@@ -227,10 +229,11 @@ def _whole(hosts: int, unit: int, up: bool = False) -> int:
     return -(-hosts // unit) * unit if up else hosts // unit * unit
 
 
-def _trim(e: _Entry, placed: set[str]) -> None:
+def _trim(e: _Entry, placed: set[str], said: dict[str, str]) -> None:
     """Where `e` has more reservations than its target: pending ones dropped (placed ones it gives
-    back itself), on a sliced cluster a slice's together."""
-    pending = sorted((pg_id for pg_id in e.pgs if pg_id not in placed), key=lambda pg: e.pinned.get(pg, ""))
+    back itself), the last slice's together where they are pinned."""
+    where = lambda pg: (said.get(e.pinned.get(pg, ""), ""), e.pinned.get(pg, ""))  # noqa: E731
+    pending = sorted((pg_id for pg_id in e.pgs if pg_id not in placed), key=where)
     while len(e.pgs) > e.target and pending:
         _drop(e, pending.pop())
 
@@ -243,10 +246,11 @@ def _reserve(e: _Entry) -> None:
 
 def _reserve_pinned(e: _Entry, free: dict[str, str], said: dict[str, str]) -> None:
     """New placement groups where `e` has fewer than its target, each pinned to a host chosen
-    (`choose_hosts`) among the free ones."""
+    (`choose_hosts`) among the `free` ones, which are then no longer free."""
     mine = {said.get(node) for node in e.pinned.values()}
     for node in choose_hosts(free, said, e.target - len(e.pgs), e.unit, mine):
         _add(e, node)
+        del free[node]
 
 
 def choose_hosts(free: dict[str, str], said: dict[str, str], count: int, unit: int, mine: set) -> list[str]:
@@ -288,12 +292,13 @@ def _drop(e: _Entry, pg_id: str) -> None:
     e.pinned.pop(pg_id, None)
 
 
-def _free(alive: list[str], said: dict[str, str], entries) -> dict[str, str]:
-    """Live hosts no reservation holds or is pinned to (node -> slice)."""
+def _free(alive: list[str], said: dict[str, str], entries, placed: dict) -> dict[str, str]:
+    """Live hosts no reservation holds or is pinned to (node -> slice); `placed`: per run, its
+    reservations Ray has placed (an unpinned one holds the host Ray put it on)."""
     taken = set()
     for e in entries:
         taken |= set(e.pinned.values())
-        taken |= {_node_of(pg) for pg_id, pg in _placed(e).items() if pg_id not in e.pinned}
+        taken |= {_node_of(e.pgs[pg]) for pg in placed.get(e.reg.run, ()) if pg in e.pgs and pg not in e.pinned}
     return {node: said[node] for node in alive if node not in taken and node in said}
 
 

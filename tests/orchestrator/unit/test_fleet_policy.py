@@ -168,3 +168,15 @@ def test_jobs_that_run_whole_slices_hold_gain_and_give_up_a_slice_at_a_time():
     # A quota with room for one host more than it holds does not let a slice job grow.
     quotas = FleetPolicyConfig({"default": Quota(), "tpu": Quota(3)})
     assert allocate([job("t", min_hosts=2, max_hosts=6, unit=2, queue="tpu")], 6, quotas).hosts == {"t": 2}
+
+
+def test_hosts_are_chosen_whole_slices_for_slice_jobs_and_packed_for_the_others():
+    from orchestrator.fleet.scheduler import choose_hosts
+
+    said = {f"n{i}": "abc"[i // 2] for i in range(6)}  # slices a, b, c of 2 hosts
+    free = {n: s for n, s in said.items() if n != "n2"}  # n2 (slice b) is another job's
+    assert choose_hosts(free, said, 4, 2, set()) == ["n0", "n1", "n4", "n5"]  # never half of b
+    assert choose_hosts(free, said, 3, 2, set()) == ["n0", "n1"]  # whole slices only
+    assert choose_hosts(free, said, 1, 1, set()) == ["n3"]  # into the slice already broken into
+    assert choose_hosts(free, said, 1, 1, {"c"}) == ["n4"]  # beside its own hosts first
+    assert choose_hosts(free, said, 0, 1, set()) == []
