@@ -285,6 +285,22 @@ AGREE = 1.05  # candidates whose FLOPs and collectives are predicted within this
 GUARD_TOP = 3  # candidates compiled by the guard, at most; no more than compile at once (one per CPU)
 
 
+def _across_rival(best: Candidate, fitting: list[Candidate], hw: Hardware) -> Candidate | None:
+    """On slices: the best plan that fits and puts another axis across them than `best` does,
+    where it is predicted within CLOSE of it."""
+    if hw.slice_devices is None:
+        return None
+    mine = crossing(best.mesh, hw)
+    return next(
+        (
+            c
+            for c in fitting
+            if crossing(c.mesh, hw) != mine and c.cost.total_seconds <= CLOSE * best.cost.total_seconds
+        ),
+        None,
+    )
+
+
 def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, hw: Hardware, limit: int, check):
     """The choice among the best candidates, and the compiler as a guard (`compile_check`).
 
@@ -297,7 +313,12 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
     of those whose FLOPs and collectives are predicted within AGREE of each other (at most
     GUARD_TOP, one per distinct plan), and chooses the one XLA makes cheapest, priced by `verify`
     with the same hardware profile; and the best few where some primitive was planned without a
-    rule. Skipped, and said why, where there are fewer devices here than the plans use."""
+    rule. On slices, also the best plan that puts another axis across them, where it is within
+    CLOSE: what crosses the slow link decides the most, and XLA lowers a reduction over a group
+    that spans slices its own way (FSDP's gradients inside a slice with data parallelism across
+    (HSDP) it reduces over every device before slicing them, gathering whole tables over the slow
+    link where the plan reduces slice by slice). Skipped, and said why, where there are fewer
+    devices here than the plans use."""
     unknown = sorted(inputs.fold.graph.unknown.items())
     ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
     # Fast's own pool among them (the same at thorough), so thorough weighs what fast weighs.
@@ -312,6 +333,9 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
     differ = len(picks) > 1 and picks[1] is not best
     asked = views[0][:top] if check is True or unknown else [c for a in agree for c in a]
     contenders = _same_plans_once(sorted({id(c): c for c in asked + picks}.values(), key=_view))[:top]
+    across = _across_rival(best, fitting, hw)
+    if across is not None:  # these two first, whatever else fits in the top
+        contenders = _same_plans_once([best, across, *contenders])[:top]
     roofline = fitting[0]
     weighed = (
         f"chose {best.tactic} on {mesh_text(best.mesh)} over {roofline.tactic} on {mesh_text(roofline.mesh)}, at "
@@ -337,6 +361,7 @@ def _guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, h
         for w, yes in (
             ("close predictions", close),
             ("primitives without a rule", unknown),
+            ("another axis across slices is predicted close", across is not None),
             ("the fast level's best differs", differ),
             ("asked", True),
         )

@@ -28,3 +28,17 @@ def test_plans_on_fewer_devices_or_beyond_close_are_not_weighed_by_the_view():
     view = _by_compiled_view([roofline, fewer, beyond])
     assert view == [roofline]
     assert _pick(roofline, view) is roofline
+
+
+def test_on_slices_the_best_plan_that_puts_another_axis_across_them_is_compiled_beside_it():
+    from partitioner import profile
+    from partitioner.search import _across_rival
+
+    hw = profile("tpu-v5p").sliced(8, 4)  # 4 slices of 2 devices
+    hsdp = candidate("fsdp", {"replica": 2, "data": 2, "seq": 1, "model": 1}, 1.00, 1.00)  # replica across
+    wider = candidate("fsdp", {"replica": 4, "data": 2, "seq": 1, "model": 1}, 1.10, 1.10)  # replica across too
+    megatron = candidate("megatron", {"data": 2, "seq": 1, "model": 2}, 1.15, 1.15)  # data across
+    far = candidate("dp", {"data": 4, "seq": 1, "model": 1}, CLOSE * 1.01, 1.0)
+    assert _across_rival(hsdp, [hsdp, wider, megatron, far], hw) is megatron
+    assert _across_rival(hsdp, [hsdp, wider, far], hw) is None  # beyond CLOSE: the roofline decides
+    assert _across_rival(hsdp, [hsdp, megatron], profile("tpu-v5p")) is None  # one slice: nothing crosses
