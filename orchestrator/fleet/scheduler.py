@@ -308,8 +308,8 @@ def _capacity(alive: list[str], said: dict[str, str], entries) -> int:
     units = [e.unit for e in entries if e.unit > 1]
     if not units:
         return len(alive)
-    size = collections.Counter(said.get(n) for n in alive)
-    return len(alive) - sum(n for s, n in size.items() if s is None or n < max(units))
+    size = collections.Counter(said[n] for n in alive if n in said)
+    return len(alive) - sum(n for n in size.values() if n < max(units))
 
 
 def _slices() -> dict[str, str]:
