@@ -101,7 +101,7 @@ class FleetScheduler:
     def register(self, registration: dict) -> dict:
         reg = Registration(**registration)
         check_queue(self.policy, reg.queue, reg.min_hosts, reg.job)
-        _check_slices(reg, _slices())
+        _check_slices(reg, _slices(_nodes()))
         held = [e for e in self.jobs.values() if e.reg.checkpoint_dir == reg.checkpoint_dir and e.reg.run != reg.run]
         if held:
             raise ValueError(
@@ -158,7 +158,7 @@ class FleetScheduler:
     def hosts(self) -> dict:
         """Live hosts, and which job holds each (node id -> run, or "" when idle)."""
         held = {_node_of(pg): run for run, e in self.jobs.items() for pg in _placed(e).values()}
-        return {node: held.get(node, "") for node in _alive_hosts()}
+        return {node: held.get(node, "") for node in _alive_hosts(_nodes())}
 
     # -- deciding and reserving ---------------------------------------------------------------
     def _entry(self, run: str) -> _Entry:
@@ -184,7 +184,8 @@ class FleetScheduler:
         # again where a host is free): those being placed for the first time, on hosts another
         # job is still giving back, are its own, never idle hosts to hand to someone else.
         # Each reservation's state, asked of Ray's GCS once per decision.
-        alive, said = _alive_hosts(), _slices()
+        nodes = _nodes()  # one read of Ray's node table per decision (every job's heartbeat decides)
+        alive, said = _alive_hosts(nodes), _slices(nodes)
         live = set(alive)
         for e in self.jobs.values():
             e.unit = e.reg.slice_hosts if said and e.reg.slice_hosts else 1
@@ -312,10 +313,16 @@ def _capacity(alive: list[str], said: dict[str, str], entries) -> int:
     return len(alive) - sum(n for n in size.values() if n < max(units))
 
 
-def _slices() -> dict[str, str]:
+def _nodes() -> list[dict]:
+    import ray
+
+    return ray.nodes()
+
+
+def _slices(nodes: list[dict]) -> dict[str, str]:
     from ..hosts.slices import host_slices
 
-    return host_slices()
+    return host_slices(nodes)
 
 
 def _check_slices(reg: Registration, said: dict[str, str]) -> None:
@@ -373,10 +380,8 @@ def _remove_all(e: _Entry) -> None:
     e.pinned.clear()
 
 
-def _alive_hosts() -> list[str]:
-    import ray
-
-    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(HOST_RESOURCE))
+def _alive_hosts(nodes: list[dict]) -> list[str]:
+    return sorted(n["NodeID"] for n in nodes if n["Alive"] and n["Resources"].get(HOST_RESOURCE))
 
 
 def start(config: FleetSchedulerConfig | None = None):
