@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -25,10 +26,28 @@ SYSTEM_CONFIG = {
 }
 
 
+# Ports below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768 and up by
+# default): a port taken from that range can be handed to some process's outgoing connection
+# before the Ray agent meant to listen on it binds it ("Address already in use").
+_PORTS = (20000, 32000)
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no process listens on, outside the ephemeral range, never given twice in a process."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORTS)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS[0]}-{_PORTS[1]} after 200 tries")
 
 
 def _node_ports() -> list[str]:
@@ -98,10 +117,14 @@ class RayStartCluster:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.wait_for_hosts(0)
-        for i in range(workers):  # one at a time: nodes joining at once race for socket names
-            self.add_worker(self.metrics_ports[i + 1])
-            self.wait_for_hosts(i + 1)
+        try:
+            self.wait_for_hosts(0)
+            for i in range(workers):  # one at a time: nodes joining at once race for socket names
+                self.add_worker(self.metrics_ports[i + 1])
+                self.wait_for_hosts(i + 1)
+        except BaseException:
+            self.shutdown()  # nobody else holds this cluster yet: leave no process behind
+            raise
 
     @property
     def address(self) -> str:
