@@ -2,8 +2,9 @@
 low-priority job (min 1, max 4) trains on all 4 hosts; a high-priority one (min 2, max 2) is
 submitted. The low one shrinks to 2 at its next step boundary and goes on, the high one starts on
 the 2 hosts given back; when it finishes, the low one grows back to 4 (and is stopped ten steps
-later, with `remesh stop`). Both train the losses of a static run of the same job, each shrink computes at most one step again, and no host ever runs
-two jobs' host actors at once (Ray's actor table, watched throughout)."""
+later, with `remesh stop`). Both train the losses of a static run of the same job, each shrink
+computes at most one step again, and no host ever runs two jobs' host actors at once (Ray's
+actor table, watched throughout)."""
 
 import json
 import re
