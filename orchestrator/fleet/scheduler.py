@@ -136,14 +136,14 @@ class FleetScheduler:
 
     def queue(self) -> list[dict]:
         """Every job, running first, then waiting in the order it would be admitted."""
-        self._decide()
+        tables = self._decide()
         now, out = time.monotonic(), []
         for e in sorted(self.jobs.values(), key=lambda e: (e.target == 0, -e.reg.priority, e.arrival)):
             out.append(
                 {
                     **dataclasses.asdict(e.reg),
                     "state": "running" if e.target else "queued",
-                    "hosts": len(_placed(e)),
+                    "hosts": len(_placed(e, tables[e.reg.run])),
                     "target": e.target,
                     "reason": e.shrink or e.reason,
                     "waiting_s": round(now - e.waiting_since, 1) if e.waiting_since is not None else 0.0,
@@ -157,7 +157,7 @@ class FleetScheduler:
 
     def hosts(self) -> dict:
         """Live hosts, and which job holds each (node id -> run, or "" when idle)."""
-        held = {_node_of(pg): run for run, e in self.jobs.items() for pg in _placed(e).values()}
+        held = {node: run for run, e in self.jobs.items() for node in _placed(e, _tables(e)).values()}
         return {node: held.get(node, "") for node in _alive_hosts(_nodes())}
 
     # -- deciding and reserving ---------------------------------------------------------------
@@ -170,13 +170,15 @@ class FleetScheduler:
             ) from None
 
     def _decide_and_grant(self, run: str) -> dict:
-        self._decide()
+        tables = self._decide()
         e = self.jobs[run]
-        hosts = tuple(sorted((_node_of(pg), pg_id) for pg_id, pg in _placed(e).items()))
+        hosts = tuple(sorted((node, pg_id) for pg_id, node in _placed(e, tables[run]).items()))
         state = "running" if e.target else "queued"
         return dataclasses.asdict(Grant(run, state, e.target, hosts, e.shrink or e.reason))
 
-    def _decide(self) -> None:
+    def _decide(self) -> dict[str, dict[str, dict]]:
+        """Decide and reserve; returns per run its reservations' entries in Ray's placement group
+        table as read for the decision (`_tables`), those dropped by it left out."""
         now = time.monotonic()
         for run in [r for r, e in self.jobs.items() if now - e.seen > self.config.lost_after_s]:
             _remove_all(self.jobs.pop(run))
@@ -191,9 +193,9 @@ class FleetScheduler:
             e.unit = e.reg.slice_hosts if said and e.reg.slice_hosts else 1
             for pg_id in [pg for pg, node in e.pinned.items() if node not in live]:
                 _drop(e, pg_id)  # its host died: Ray cannot place a pinned reservation elsewhere
-        states = {run: _states(e) for run, e in self.jobs.items()}
-        placed = {run: {pg for pg, st in states[run].items() if st == "CREATED"} for run in self.jobs}
-        views = [_view(run, e, sum(st in ("CREATED", "PENDING") for st in states[run].values()))
+        tables = {run: _tables(e) for run, e in self.jobs.items()}
+        placed = {run: set(_placed(e, tables[run])) for run, e in self.jobs.items()}
+        views = [_view(run, e, sum(t["state"] in ("CREATED", "PENDING") for t in tables[run].values()))
                  for run, e in self.jobs.items()]  # fmt: skip
         decided = allocate(views, _capacity(alive, said, self.jobs.values()), self.policy)
         for run, e in self.jobs.items():
@@ -206,7 +208,7 @@ class FleetScheduler:
                 e.waiting_since = None
             e.target, e.reason = target, reason
             _trim(e, placed[run], said)
-        free = _free(alive, said, self.jobs.values(), placed) if said else {}
+        free = _free(alive, said, self.jobs, tables) if said else {}
         for run, e in self.jobs.items():  # after every trim: the hosts those freed can be chosen
             if said:
                 _reserve_pinned(e, free, said)
@@ -214,6 +216,7 @@ class FleetScheduler:
                 _reserve(e)
             if e.shrink and len(placed[run] & set(e.pgs)) <= e.target:
                 e.shrink = ""
+        return {run: {pg: t for pg, t in tables[run].items() if pg in e.pgs} for run, e in self.jobs.items()}
 
 
 def _view(run: str, e: _Entry, reserved: int) -> JobView:
@@ -293,13 +296,13 @@ def _drop(e: _Entry, pg_id: str) -> None:
     e.pinned.pop(pg_id, None)
 
 
-def _free(alive: list[str], said: dict[str, str], entries, placed: dict) -> dict[str, str]:
-    """Live hosts no reservation holds or is pinned to (node -> slice); `placed`: per run, its
-    reservations Ray has placed (an unpinned one holds the host Ray put it on)."""
+def _free(alive: list[str], said: dict[str, str], jobs: dict, tables: dict) -> dict[str, str]:
+    """Live hosts no reservation holds or is pinned to (node -> slice); `tables`: per run, its
+    reservations as read for the decision (an unpinned placed one holds the host Ray put it on)."""
     taken = set()
-    for e in entries:
+    for run, e in jobs.items():
         taken |= set(e.pinned.values())
-        taken |= {_node_of(e.pgs[pg]) for pg in placed.get(e.reg.run, ()) if pg in e.pgs and pg not in e.pinned}
+        taken |= set(_placed(e, tables[run]).values())
     return {node: said[node] for node in alive if node not in taken and node in said}
 
 
@@ -352,17 +355,22 @@ def _tag() -> str:
     return secrets.token_hex(3)
 
 
-def _placed(e: _Entry) -> dict:
-    states = _states(e)
-    return {pg_id: pg for pg_id, pg in e.pgs.items() if states[pg_id] == "CREATED"}
+def _placed(e: _Entry, tables: dict[str, dict]) -> dict[str, str]:
+    """`e`'s reservations Ray has placed (placement group id -> node), from `_tables`."""
+    return {
+        pg_id: t["bundles_to_node_id"].get(0, "")
+        for pg_id, t in tables.items()
+        if pg_id in e.pgs and t["state"] == "CREATED"
+    }
 
 
-def _states(e: _Entry) -> dict[str, str]:
-    """Each reservation's state in Ray: CREATED (placed), PENDING (waiting for a free host, never
-    placed yet), RESCHEDULING (its host died; being placed again)."""
+def _tables(e: _Entry) -> dict[str, dict]:
+    """Each reservation's entry in Ray's placement group table, one GCS read each: its state,
+    CREATED (placed), PENDING (waiting for a free host, never placed yet) or RESCHEDULING (its
+    host died; being placed again), and the node its bundle is on."""
     from ray.util import placement_group_table
 
-    return {pg_id: placement_group_table(pg)["state"] for pg_id, pg in e.pgs.items()}
+    return {pg_id: placement_group_table(pg) for pg_id, pg in e.pgs.items()}
 
 
 def _node_of(pg) -> str:
