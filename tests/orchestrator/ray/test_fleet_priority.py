@@ -7,7 +7,6 @@ computes at most one step again, and no host ever runs two jobs' host actors at 
 actor table, watched throughout)."""
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -33,9 +32,16 @@ def status(cluster, sid, store):
     return json.loads(cli(cluster, "status", sid, "--address", cluster.address, "--store", store, "--json"))[0]
 
 
-def job_file(d, name, steps, priority, min_hosts, max_hosts):
-    path = d / f"{name}.toml"
-    path.write_text(gpt_job(name, steps, max_hosts=max_hosts, min_hosts=min_hosts, priority=priority,
+# name -> steps, priority, min hosts, max hosts. The low job is long enough that growing back
+# pays for the resize when the high one ends (a running job grows only where the steps left save
+# more than a group's start costs: `JobController._grows`).
+JOBS = {"low": (400, 0, 1, 4), "high": (30, 5, 2, 2)}
+
+
+def job_file(path, name, steps=None):
+    """`name`'s job file at `path`, to `steps` (default: the job's)."""
+    total, priority, min_hosts, max_hosts = JOBS[name]
+    path.write_text(gpt_job(name, steps or total, max_hosts=max_hosts, min_hosts=min_hosts, priority=priority,
                             checkpoint_dir=f"ckpt-{name}"))  # fmt: skip
     return path
 
@@ -47,10 +53,7 @@ def shared(tmp_path_factory):
     store, out = str(d / "fleet.db"), {"dir": d, "observed": []}
     watch = cluster.watch_host_actors(str(d / "actors.jsonl"))
     try:
-        # Long enough that growing back pays for the resize when the high job ends (a running job
-        # grows only where the steps left save more than a group's start costs: `_grows`).
-        low = job_file(d, "low", 400, priority=0, min_hosts=1, max_hosts=4)
-        high = job_file(d, "high", 30, priority=5, min_hosts=2, max_hosts=2)
+        low, high = job_file(d / "low.toml", "low"), job_file(d / "high.toml", "high")
         submit = lambda path: cli(cluster, "submit", str(path), "--address", cluster.address, "--store", store,  # noqa: E731
                                   "--summary", str(d / f"{path.stem}.json")).strip().splitlines()[-1]  # fmt: skip
         out["low"] = submit(low)
@@ -86,10 +89,9 @@ def shared(tmp_path_factory):
         # The same job alone and static: an embedded cluster of its fewest hosts (the losses do not
         # depend on the mesh, to float rounding; one process steps fastest on this machine's
         # cores), a fresh checkpoint directory.
-        ref, fewest = d / f"{name}-static.json", {"low": "1", "high": "2"}[name]
+        ref, fewest = d / f"{name}-static.json", str(JOBS[name][2])
         reached = out[name + "_summary"]["steps_completed"]
-        static = d / f"{name}-static.toml"  # as far as the stopped run went
-        static.write_text(re.sub(r"(?m)^steps = \d+$", f"steps = {reached}", (d / f"{name}.toml").read_text()))
+        static = job_file(d / f"{name}-static.toml", name, reached)  # as far as the run went
         subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(static), "--checkpoint-dir",
                         str(d / f"ckpt-{name}-static"), "--summary", str(ref), "--no-store", "--hosts", fewest],
                        cwd=ROOT, check=True, capture_output=True, timeout=DEADLINE_S)  # fmt: skip
