@@ -420,11 +420,15 @@ def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bo
     chosen = {w.value: model_only(start.annotations[w.value]) for w in weights if w.value in start.annotations}
     chosen = {v: sh for v, sh in chosen.items() if any(sh)}
 
-    def price(tp, beyond=math.inf):
-        ann = add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp
-        return priced(inputs, name, mesh, {**batch, **ann}, hw, batch, beyond)
+    def annotated(tp):
+        return {**batch, **(add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp)}
 
-    best = price(chosen)
+    def price(tp, beyond=math.inf):
+        return priced(inputs, name, mesh, annotated(tp), hw, batch, beyond)
+
+    # The start read back is most often the start itself, already priced.
+    same = _mirror_optimizer_state(inputs, annotated(chosen)) == start.annotations
+    best = dataclasses.replace(start, tactic=name) if same else price(chosen)
     for w in weights:
         shape = w.shape(g)
         for d in [None] + [d for d, n in enumerate(shape) if n % mesh["model"] == 0 and n >= mesh["model"]]:
