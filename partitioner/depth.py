@@ -6,8 +6,9 @@ Llama step on one CPU core), so at 96 layers the trace alone outweighs the searc
 arguments hold the layers as a stack (a list or tuple, or dict entries keyed `0`, `1`, ... or
 `layers_0`, `layers_1`, ..., of identically shaped subtrees: the parameters, and the optimizer
 state that mirrors them) and the step loops over what it is given, it is traced with the first
-SHALLOW[0] and the first SHALLOW[1] layers of every stack. Both fold to the same graph, one layer
-planned for all, op for op; every quantity the search prices is then affine in the depth, and the
+3 and the first 4 layers of every stack (`PAIRS`). Both fold to the same graph, one layer planned
+for all, op for op (each leaf of a layer one weight in every layer from the start,
+`stacks.layer_groups`); every quantity the search prices is then affine in the depth, and the
 depth-L fold (`Deepened`) is the deeper shallow fold with each op's multiplicity, and each peak
 the memory model computes, extended along the line through the two.
 
@@ -19,14 +20,14 @@ A step that reads its depth elsewhere (a module constant) fails to trace shallow
 different graphs, and is traced whole.
 
 Layers that alternate (local and global attention every other layer) fold to different graphs at
-3 and 4 layers, as half patterns do; such a step is traced at whole patterns (`PERIODS`), 6 and 8
-layers, and a real layer's weights planned as those at its place in the last traced pattern.
+3 and 4 layers, as half patterns do; such a step is traced at whole patterns, 4 layers (kept from
+the first try) and 6, and a real layer's weights planned as those at its place in the last traced
+pattern. The two timelines are matched where each folded op first and last runs (`_matched_times`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -36,11 +37,11 @@ import numpy as np
 
 from . import memory
 from .capture import capture
-from .fold import MIN_PERIOD, Fold, fold
+from .fold import Fold, fold
 from .ir import CaptureError, Graph
-from .repeats import find_repeats, repeats, signature_ids
 from .stacks import (
     key_names,
+    layer_groups,
     resized,
     source_leaves,
     stacks,
@@ -49,10 +50,11 @@ from .stacks import (
     with_free_variables_resized,
 )
 
-SHALLOW = (3, 4)  # layers per stack in the two traces, for a stack of one kind of layer
-PERIODS = (1, 2)  # layers in the stack's repeating pattern: one, or two alternating (local and
-# global attention in Gemma 2), each traced SHALLOW times as many layers deep, while that is
-# shallower than the step itself
+# The layers per stack of the two traces, by the layers in the stack's repeating pattern: one, or
+# two alternating (local and global attention in Gemma 2), traced at two and three patterns, the
+# first of them the deeper trace of one kind of layer (three and four layers fold alike; two and
+# three can differ where a global norm's sum chain or the optimizer's steps cut them differently).
+PAIRS = ((1, (3, 4)), (2, (4, 6)))
 
 
 @dataclasses.dataclass
@@ -68,7 +70,7 @@ class Deepened:
     to_shallow: dict[int, int]  # the deeper fold's value ids -> the shallower's
     unmatched: dict[int, int]  # the shallower fold's values (on scalars) no deeper one maps to -> bytes
     depths: tuple[int, int, int]  # the two traced, and the step's
-    times: tuple[np.ndarray, np.ndarray]  # times of the two timelines that match (`_landmarks`)
+    times: tuple[np.ndarray, np.ndarray]  # times of the two timelines that match (`_matched_times`)
     original_ops: int
 
     @property
@@ -88,8 +90,8 @@ class Deepened:
     def peak_bytes(self, device_bytes: Mapping[int, int], held=frozenset(), copies: bool = False) -> int:
         """`Fold.peak_bytes` at the step's depth. The peak itself is not affine in the depth (which
         time holds the most can move, and how many temporaries fit in result buffers not yet
-        written), but at each time that both shallow timelines have (`_landmarks`: outside the
-        repeated layers, or in the first or last copy of a run of them) the count of live
+        written), but at each time that both shallow timelines have (`_matched_times`: outside the
+        repeated layers, or in the first or last of them) the count of live
         temporaries of each size is, and so is that of the free result buffers: the heap is
         extended there, size by size, and its peak taken as `memory.peak` takes it."""
         fixed_a, profile_a, live_a = self.shallow.heap(
@@ -140,50 +142,60 @@ class Shallow:
 def shallow(fn, abstract: tuple) -> Shallow | None:
     """`fn(*abstract)` planned from two shallow traces, or None where its arguments hold no stack
     deep enough or the step does not follow them (`depth` module docstring). Layers that alternate
-    fold differently at odd and even depths; they are traced to whole patterns (`PERIODS`)."""
+    fold differently at odd and even depths; they are traced to whole patterns (`PAIRS`), the
+    deeper trace of one kind of layer kept for them."""
     found = stacks(abstract)
     depths = {s.depth for s in found}
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)
     (depth,) = depths
     memo = {}  # kept for every trace of `fn` (an NNX graph is merged once for all of them)
-    for period in PERIODS:
-        pair = (SHALLOW[0] * period, SHALLOW[1] * period)
+    traces: dict[int, tuple | None] = {}  # layers -> `_trace`'s
+    for period, pair in PAIRS:
         if pair[1] >= depth:
             break
         if depth % period:
             continue  # half a pattern at the end: its layers' counts are not on the line
-        out = _traced_pair(fn, abstract, found, depth, pair, period, memo)
-        if out is not None:
-            return out
+        for k in pair:
+            if k not in traces:
+                traces[k] = _trace(fn, abstract, found, depth, k, memo)
+        if all(traces[k] is not None for k in pair):
+            out = _traced_pair(abstract, found, depth, pair, period, [traces[k] for k in pair])
+            if out is not None:
+                return out
     return None
 
 
-def _traced_pair(
-    fn, abstract: tuple, found, depth: int, pair: tuple[int, int], period: int, memo: dict
-) -> Shallow | None:
-    """`shallow` from traces at the two depths in `pair`, or None where they do not fold to the same
-    graph or their timelines cannot be matched."""
+def _trace(fn, abstract: tuple, found, depth: int, k: int, memo: dict) -> tuple | None:
+    """The step with its stacks cut to `k` layers, captured: (fn, args, what `statics_resized`
+    swapped, graph), or None where it cannot be cut or traced so."""
+    args = resized(abstract, found, k)
+    if args is None:
+        return None
+    args, swapped = statics_resized(args, found, depth, k)
+    step = with_free_variables_resized(fn, found, depth, k, abstract, memo)
+    try:
+        return step, args, swapped, capture(step, *args, compact=True)
+    except CaptureError:
+        return None
+
+
+def _traced_pair(abstract: tuple, found, depth: int, pair: tuple[int, int], period: int, traces) -> Shallow | None:
+    """`shallow` from the traces at the two depths in `pair`, or None where they do not fold to the
+    same graph or their timelines cannot be matched."""
     traced, folding, swaps, steps = [], 0.0, {}, []
-    for k in pair:
-        args = resized(abstract, found, k)
-        if args is None:
-            return None
-        args, swapped = statics_resized(args, found, depth, k)
+    for step, args, swapped, graph in traces:
         swaps.update(swapped)
-        steps.append((with_free_variables_resized(fn, found, depth, k, abstract, memo), args))
-        try:
-            graph = capture(steps[-1][0], *args, compact=True)
-        except CaptureError:
-            return None
+        steps.append((step, args))
         keys = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         leaves = graph.inputs[len(graph.inputs) - len(keys) :]
         t = time.perf_counter()
-        traced.append((args, graph, leaves, fold(graph, keys, leaves)))
+        layers = [[leaves[j] for j in g] for g in layer_groups(keys, found, period)]
+        traced.append((args, graph, leaves, fold(graph, keys, leaves, layers)))
         folding += time.perf_counter() - t
     (_, g1, _, f1), (args2, g2, leaves2, f2) = traced
     matched = _same_graph(f1.graph, f2.graph)
-    times = _matched_times(g1, g2) if matched is not None else None
+    times = _matched_times(g1, f1, g2, f2, matched[1]) if matched is not None else None
     if matched is None or times is None:
         return None
     to_shallow, of_shallow = matched
@@ -281,81 +293,41 @@ def _deep_mult(
     return out
 
 
-def _matched_times(g1: Graph, g2: Graph) -> tuple[np.ndarray, np.ndarray] | None:
-    """The times of two shallow timelines that stand for the same moment of any deeper one: by
-    the runs of repeated blocks that capture built and replayed, or else by those found on the
-    timelines themselves (the two can cut the same repeats differently), or else by runs of
-    blocks of any length (an optimizer's step over a layer of fewer than MIN_PERIOD leaves, one
-    op per leaf, is a run as long as the stack); at the last, with the ops on scalars alone left
-    out (`_same_graph`)."""
-    short = functools.partial(_timeline_landmarks, min_period=1)
-    for skip_scalars in (False, True):
-        for landmarks in (_built_landmarks, _timeline_landmarks, short):
-            k1, k2 = landmarks(g1, skip_scalars), landmarks(g2, skip_scalars)
-            if k1 is not None and k2 is not None and k1.keys() == k2.keys():
-                return np.array(list(k1.values()), dtype=np.int64), np.array([k2[k] for k in k1], dtype=np.int64)
-    return None
-
-
-def _built_landmarks(graph: Graph, skip_scalars: bool) -> dict[tuple, int] | None:
-    """`_landmarks` of the runs capture built (`find_repeats`) extended by their replayed
-    copies; None where a run is not contiguous in time."""
-    t = memory.table(graph)
-    at = t.time[: len(graph.ops)]
-    runs: dict[int, list[int]] = {}  # last built op -> [start time, period, copies]
-    for r in find_repeats(graph, min_period=MIN_PERIOD):
-        if at[r.stop - 1] - at[r.start] + 1 != r.period * r.count:
-            return None
-        runs[r.stop - 1] = [int(at[r.start]), r.period, r.count]
-    for c in graph.copies:  # replayed copies run right after their template, the run's last copy
-        run = runs.get(c.template[-1])
-        if run is not None and run[1] == len(c.template):
-            run[2] += len(c.shifts)
-        else:
-            runs[c.template[-1]] = [int(at[c.template[0]]), len(c.template), 1 + len(c.shifts)]
-    spans = [(start, start + period * copies, period) for start, period, copies in sorted(runs.values())]
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+def _matched_times(
+    g1: Graph, f1: Fold, g2: Graph, f2: Fold, of_shallow: Sequence[int | None]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The times of two shallow timelines that stand for the same moment of any deeper one: per
+    folded op the two folds share, the first time any op it stands for runs and the last. A
+    layer's op first runs in the first layer and last in the last, the ops outside the layers
+    once, at the same place at both depths; the middle layers' copies differ between depths and
+    are left out. Ops the folds do not share (on scalars alone, `_same_graph`) are left out."""
+    shared = np.full(len(f1.graph.ops), -1, dtype=np.int64)
+    for j, i in enumerate(of_shallow):
+        if i is not None:
+            shared[i] = j
+    k1 = _occurrences(g1, f1, shared)
+    k2 = _occurrences(g2, f2, np.array([j if i is not None else -1 for j, i in enumerate(of_shallow)], dtype=np.int64))
+    common = [k for k in k1 if k in k2]
+    if not common:
         return None
-    return _landmarks(spans, t.end, _scalar_times(graph, t) if skip_scalars else None)
+    return np.array([k1[k] for k in common], dtype=np.int64), np.array([k2[k] for k in common], dtype=np.int64)
 
 
-def _timeline_landmarks(graph: Graph, skip_scalars: bool, min_period: int = MIN_PERIOD) -> dict[tuple, int]:
-    """`_landmarks` of the runs of repeated blocks found on the unrolled timeline, of at least
-    as many copies as the shallower trace has layers (or patterns of layers): a pair of layer
-    runs and what lies between them can repeat twice, and would be found in place of the runs at
-    one depth and not at the other (a run of layers under `jax.checkpoint` and its
-    recomputation)."""
+def _occurrences(graph: Graph, f: Fold, key: np.ndarray) -> dict[tuple[int, int], int]:
+    """(shared op, 0) -> the first time of `graph`'s unrolled timeline that runs an op it stands
+    for, (shared op, 1) -> the last; `key`: per folded op of `f`, its shared id (-1: none)."""
     t = memory.table(graph)
-    order = np.argsort(t.time, kind="stable")
-    sigs = np.asarray(signature_ids(graph), dtype=np.int64)[t.source[order]]
-    anchor = [graph.ops[i].primitive == "dot_general" for i in t.source[order].tolist()]
-    spans = [(r.start, r.stop, r.period) for r in repeats(sigs, anchor, SHALLOW[0], min_period)]
-    return _landmarks(spans, t.end, _scalar_times(graph, t) if skip_scalars else None)
-
-
-def _scalar_times(graph: Graph, t: memory.Table) -> np.ndarray:
-    """Per time of the unrolled timeline, whether its op is on scalars alone."""
-    on_scalars = np.array([_on_scalars(op, graph) for op in graph.ops], dtype=bool)
-    out = np.zeros(t.end, dtype=bool)
-    out[t.time] = on_scalars[t.source]
+    rep = f.op_rep[t.source]
+    k = np.where(rep >= 0, key[np.maximum(rep, 0)], -1)
+    ok = k >= 0
+    k, at = k[ok], t.time[ok]
+    order = np.lexsort((at, k))
+    k, at = k[order], at[order]
+    bounds = np.flatnonzero(np.diff(k)) + 1
+    firsts, lasts = np.concatenate(([0], bounds)), np.concatenate((bounds, [len(k)])) - 1
+    out = {(int(k[i]), 0): int(at[i]) for i in firsts.tolist()} if len(k) else {}
+    out.update({(int(k[i]), 1): int(at[i]) for i in lasts.tolist()} if len(k) else {})
     return out
-
-
-def _landmarks(spans: list[tuple[int, int, int]], end: int, skip: np.ndarray | None = None) -> dict[tuple, int]:
-    """Times of a timeline by what they are, given its runs of repeated blocks (start, stop,
-    period): the n-th op outside the runs, or op i of the first or last copy of the n-th run (a
-    run's middle copies differ between depths). Times in `skip`, and runs wholly in it, are left
-    out."""
-    keys: dict[tuple, int] = {}
-    covered = np.zeros(end, dtype=bool) if skip is None else skip.copy()
-    spans = [sp for sp in spans if skip is None or not skip[sp[0] : sp[1]].all()]
-    for n, (start, stop, period) in enumerate(spans):
-        covered[start:stop] = True
-        for i in range(period):
-            keys[("run", n, "first", i)] = start + i
-            keys[("run", n, "last", i)] = stop - period + i
-    keys.update({("op", n): time for n, time in enumerate(np.flatnonzero(~covered).tolist())})
-    return keys
 
 
 def _deep_outputs(out1, out2, values2: Sequence[int], pair: tuple[int, int], period: int, depth: int):

@@ -42,6 +42,9 @@ class Fold:
     materialized: set[int]  # representatives of values that reach memory
     original_ops: int
     _life: memory.Liveness = dataclasses.field(repr=False)  # of the unrolled program
+    # Per op of the original graph, the folded op that stands for it (-1: none, a constant only
+    # folded-away ops read): what a time of the unrolled timeline computes, once folded.
+    op_rep: np.ndarray = dataclasses.field(default=None, repr=False)
 
     def of(self, value: int) -> int:
         return int(self.rep[value]) if value >= 0 else value
@@ -91,9 +94,18 @@ class Fold:
         return int(peak - saved + kept + saved / layers), int(saved - kept)
 
 
-def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids: Sequence[int] | None = None) -> Fold:
+def fold(
+    graph: Graph,
+    keys: Sequence[tuple[str, ...]] | None = None,
+    input_ids: Sequence[int] | None = None,
+    layers: Sequence[Sequence[int]] = (),
+) -> Fold:
     """`keys`: the key path of each argument leaf, `input_ids` their value ids (for mirrors).
-    A compact graph's replayed copies (`Graph.copies`) fold onto their template.
+    A compact graph's replayed copies (`Graph.copies`) fold onto their template. `layers`: groups
+    of argument values known to be one layer's leaf in each layer (or each pattern of layers) of a
+    stack (`stacks.layer_groups`), each one weight from the start, and the runs they make found
+    where they are read (`_repeats`): a trace of two patterns of alternating layers holds too
+    few copies of a pattern for repeats to be found from the op sequence alone.
 
     Example:
         >>> f = fold(capture(step, state, batch, compact=True))
@@ -107,6 +119,11 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
     is_input = set(graph.inputs)
     replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
     paths = _key_paths(keys, input_ids)
+    for group in layers:
+        for v in group[1:]:
+            a, b = _find(parent, v), _find(parent, group[0])
+            if a != b:
+                parent[a] = b
     for c in graph.copies:  # each copy reads its `free_ids` where the template reads `free`
         replayed[c.template] = len(c.shifts)
         _pair(
@@ -118,7 +135,7 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
             len(c.shifts) + 1,
             paths,
         )
-    for r in find_repeats(graph, min_period=MIN_PERIOD):
+    for r in _repeats(graph, layers):
         copies = r.count - 1 + int(replayed[r.start : r.stop].max())
         for k in range(1, r.count):
             base = r.start + k * r.period
@@ -158,6 +175,35 @@ def fold(graph: Graph, keys: Sequence[tuple[str, ...]] | None = None, input_ids:
         seen[key] = op
         kept.append(op)
     return _build(graph, parent, op_parent, kept, pairs, replayed)
+
+
+def _repeats(graph: Graph, layers: Sequence[Sequence[int]]) -> list:
+    """`find_repeats`, and where the layers of a stack are known (`fold`'s `layers`), the runs
+    their values make wherever they are read. Two copies of a block are found from the op
+    sequence alone only where a matmul recurs at the block's period; Gemma's two patterns of a
+    local and a global layer hold matmuls that recur a layer apart, and the pattern's period is
+    found here instead. Periods are read off where the ops that read one layer's leaf, or a
+    value a found run makes in one copy, stand against those that read its twin in the next."""
+    found = find_repeats(graph, min_period=MIN_PERIOD)
+    if not layers:
+        return found
+    readers: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for v in op.operands:
+            readers.setdefault(v, []).append(op.id)
+    pairs = [(a, b) for group in layers for a, b in zip(group, group[1:])]
+    for r in found:
+        for i in range(r.start, r.start + r.period):
+            pairs += zip(graph.ops[i].results, graph.ops[i + r.period].results)
+    hints: dict[int, int] = {}
+    for a, b in pairs:
+        xs, ys = readers.get(a, ()), readers.get(b, ())
+        if len(xs) != len(ys):
+            continue  # read differently: which reads correspond is not known
+        for x, y in zip(xs, ys):
+            if abs(y - x) >= MIN_PERIOD:  # (a backward pass reads its layers in reverse)
+                hints[abs(y - x)] = min(hints.get(abs(y - x), x), x, y)
+    return find_repeats(graph, min_period=MIN_PERIOD, hints=hints)
 
 
 def _key_paths(keys, input_ids) -> dict[int, tuple[str, ...]]:
@@ -281,12 +327,15 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.
     ]
     # Each original op counts toward its representative, a scan body's op `trips` times (a
     # constant only its folded-away readers used has no representative left).
+    op_roots = memory.roots(op_parent)
     runs = np.bincount(
-        memory.roots(op_parent),
+        op_roots,
         weights=[(op.trips if op.body is None else 1) * (1 + int(n)) for op, n in zip(graph.ops, replayed)],
         minlength=len(graph.ops),
     )
     mult = [int(runs[op.id]) for op in kept]
+    new_id = np.full(len(graph.ops), -1, dtype=np.int64)
+    new_id[[op.id for op in kept]] = np.arange(len(kept))
     ops = [dataclasses.replace(op, id=i, operands=tuple(find(v) for v in op.operands)) for i, op in enumerate(kept)]
     ties: dict[tuple[int, int], int] = {}
     p = np.array(pairs, dtype=np.int64).reshape(-1, 3)
@@ -304,7 +353,7 @@ def _build(graph: Graph, parent, op_parent, kept: list[Op], pairs, replayed: np.
     )
     life = memory.liveness(graph)
     materialized = set(rep[life.values[~life.copy]].tolist())
-    return Fold(folded, rep, mult, materialized, graph.unrolled_ops, life)
+    return Fold(folded, rep, mult, materialized, graph.unrolled_ops, life, new_id[op_roots])
 
 
 def _tie(op_id: int, a: int, b: int, shape) -> Op:

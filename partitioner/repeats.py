@@ -4,7 +4,7 @@ near-linear time from the gaps between recurring op signatures."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -35,11 +35,14 @@ def signature_ids(graph: Graph) -> list[int]:
     return graph._signature_ids
 
 
-def find_repeats(graph: Graph, min_count: int = 2, min_period: int = 1) -> list[Repeat]:
+def find_repeats(
+    graph: Graph, min_count: int = 2, min_period: int = 1, hints: Mapping[int, int] | None = None
+) -> list[Repeat]:
     """Maximal runs of identical op blocks, longest coverage first, non-overlapping (`repeats`
     over op signatures, a matmul's marking a layer). In a compact graph, the two copies built
-    before each replayed block are a candidate whatever their ops."""
-    hints: dict[int, int] = {}
+    before each replayed block are a candidate whatever their ops; so is each of `hints`
+    (period -> a start)."""
+    hints = dict(hints or {})
     for c in graph.copies:
         period, start = len(c.template), c.template[0] - len(c.template)
         if start >= 0:

@@ -201,6 +201,21 @@ def source_leaves(full, shallow, found: Sequence[Stack], depth: int, period: int
     return out
 
 
+def layer_groups(names: Sequence[tuple[str, ...]], found: Sequence[Stack], period: int = 1) -> list[list[int]]:
+    """Of leaves named `names` (key names, in a tree whose stacks are `found`), the indices of
+    those that are one layer's leaf in each member at its place in the pattern of `period`
+    layers (`layers/0/wq`, `layers/1/wq`, ...; with `period` 2, members 0, 2, ... and 1, 3, ...
+    apart): groups of two or more, each a weight that one sharding serves in every layer."""
+    groups: dict[tuple, list[int]] = {}
+    for j, n in enumerate(names):
+        for s in found:
+            k = len(s.path)
+            if n[:k] == s.path and len(n) > k and (i := _index(s, n[k])) is not None:
+                groups.setdefault((s.path, i % period, n[k + 1 :]), []).append(j)
+                break
+    return [g for g in groups.values() if len(g) > 1]
+
+
 def key_names(keys) -> tuple[str, ...]:
     return tuple(map(_name, keys))
 

@@ -65,6 +65,26 @@ def test_resized_cuts_and_grows_and_maps_leaves_back():
                 assert names[s] == f.replace(deep, stand_in)
 
 
+def test_layer_groups_join_one_leaf_of_every_layer_at_its_place_in_the_pattern():
+    tree = {"decoder": {f"layers_{i}": layer() for i in range(9)} | {"norm": S((16,), jnp.float32)}}
+    found = stacks.stacks((tree,))
+    cut = stacks.resized((tree,), found, 4)
+    names = ["/".join(stacks.key_names(p)) for p, _ in jax.tree_util.tree_flatten_with_path(cut)[0]]
+    keys = [stacks.key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(cut)[0]]
+    named = lambda groups: sorted(sorted(names[j] for j in g) for g in groups)  # noqa: E731
+    assert named(stacks.layer_groups(keys, found)) == [
+        [f"0/decoder/layers_{i}/norm" for i in range(4)],
+        [f"0/decoder/layers_{i}/w" for i in range(4)],
+    ]
+    # Alternating layers: a leaf joins those at its place in every pattern, the norm outside none.
+    assert named(stacks.layer_groups(keys, found, period=2)) == [
+        [f"0/decoder/layers_{i}/norm" for i in (0, 2)],
+        [f"0/decoder/layers_{i}/w" for i in (0, 2)],
+        [f"0/decoder/layers_{i}/norm" for i in (1, 3)],
+        [f"0/decoder/layers_{i}/w" for i in (1, 3)],
+    ]
+
+
 MESHES = ({"data": 8, "seq": 1, "model": 1}, {"data": 2, "seq": 1, "model": 4})
 
 
@@ -116,10 +136,11 @@ def test_a_depth_held_outside_the_arguments_is_cut_alike(name, monkeypatch):
 
 def test_alternating_layers_are_traced_as_whole_patterns(monkeypatch):
     """Gemma's layers alternate local (sliding-window) and global attention: 3 and 4 layers fold
-    to different graphs, 6 and 8 (three and four pairs) to one, and every candidate is priced as
-    from the whole step (tests/corpus/gemma.py); its optimizer's per-leaf steps over 7 leaves a
-    layer are runs shorter than a fold's blocks, matched on the timelines all the same."""
-    _assert_priced_alike(_priced_both_ways("gemma", monkeypatch, layers=12, traced=(6, 8)))
+    to different graphs, 4 and 6 (two and three pairs, each leaf of a pair's layers one weight
+    from the start) to one, and every candidate is priced as from the whole step
+    (tests/corpus/gemma.py); its optimizer's per-leaf steps over 7 leaves a layer are runs
+    shorter than a fold's blocks, matched on the timelines all the same."""
+    _assert_priced_alike(_priced_both_ways("gemma", monkeypatch, layers=12, traced=(4, 6)))
 
 
 def test_a_train_states_apply_fn_is_cut_with_the_arguments(monkeypatch):
