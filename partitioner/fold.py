@@ -44,7 +44,7 @@ class Fold:
     _life: memory.Liveness = dataclasses.field(repr=False)  # of the unrolled program
     # Per op of the original graph, the folded op that stands for it (-1: none, a constant only
     # folded-away ops read): what a time of the unrolled timeline computes, once folded.
-    op_rep: np.ndarray = dataclasses.field(default=None, repr=False)
+    op_rep: np.ndarray = dataclasses.field(repr=False)
 
     def of(self, value: int) -> int:
         return int(self.rep[value]) if value >= 0 else value
