@@ -53,7 +53,7 @@ from .stacks import (
 # The layers per stack of the two traces, by the layers in the stack's repeating pattern: one, or
 # two alternating (local and global attention in Gemma 2), traced at two and three patterns, the
 # first of them the deeper trace of one kind of layer (three and four layers fold alike; two and
-# three can differ where a global norm's sum chain or the optimizer's steps cut them differently).
+# three need not: the runs found in two copies of a layer are not always those found in three).
 PAIRS = ((1, (3, 4)), (2, (4, 6)))
 
 
@@ -301,12 +301,10 @@ def _matched_times(
     layer's op first runs in the first layer and last in the last, the ops outside the layers
     once, at the same place at both depths; the middle layers' copies differ between depths and
     are left out. Ops the folds do not share (on scalars alone, `_same_graph`) are left out."""
-    shared = np.full(len(f1.graph.ops), -1, dtype=np.int64)
-    for j, i in enumerate(of_shallow):
-        if i is not None:
-            shared[i] = j
-    k1 = _occurrences(g1, f1, shared)
-    k2 = _occurrences(g2, f2, np.array([j if i is not None else -1 for j, i in enumerate(of_shallow)], dtype=np.int64))
+    pairs = np.array([(i, j) for j, i in enumerate(of_shallow) if i is not None], dtype=np.int64).reshape(-1, 2)
+    key1, key2 = np.full(len(f1.graph.ops), -1, dtype=np.int64), np.full(len(f2.graph.ops), -1, dtype=np.int64)
+    key1[pairs[:, 0]] = key2[pairs[:, 1]] = pairs[:, 1]  # a shared op is named by its id in f2
+    k1, k2 = _occurrences(g1, f1, key1), _occurrences(g2, f2, key2)
     common = [k for k in k1 if k in k2]
     if not common:
         return None
@@ -320,14 +318,13 @@ def _occurrences(graph: Graph, f: Fold, key: np.ndarray) -> dict[tuple[int, int]
     rep = f.op_rep[t.source]
     k = np.where(rep >= 0, key[np.maximum(rep, 0)], -1)
     ok = k >= 0
-    k, at = k[ok], t.time[ok]
-    order = np.lexsort((at, k))
-    k, at = k[order], at[order]
+    if not ok.any():
+        return {}
+    order = np.lexsort((t.time[ok], k[ok]))
+    k, at = k[ok][order], t.time[ok][order]
     bounds = np.flatnonzero(np.diff(k)) + 1
     firsts, lasts = np.concatenate(([0], bounds)), np.concatenate((bounds, [len(k)])) - 1
-    out = {(int(k[i]), 0): int(at[i]) for i in firsts.tolist()} if len(k) else {}
-    out.update({(int(k[i]), 1): int(at[i]) for i in lasts.tolist()} if len(k) else {})
-    return out
+    return {(int(k[i]), 0): int(at[i]) for i in firsts} | {(int(k[i]), 1): int(at[i]) for i in lasts}
 
 
 def _deep_outputs(out1, out2, values2: Sequence[int], pair: tuple[int, int], period: int, depth: int):
