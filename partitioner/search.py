@@ -35,8 +35,9 @@ from .cost import compute_floor, estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
-from .plan import Plan, _is_spec, leaf_key, mesh_text
+from .plan import Plan, _is_spec, mesh_text
 from .propagate import Sharding
+from .stacks import key_names
 from .tactics import (
     TACTICS,
     Candidate,
@@ -443,10 +444,10 @@ def _to_plan(
     guard: tuple[str, ...] = (),
 ) -> Plan:
     g = inputs.graph
-    specs = [_spec(best.propagation.of(v, len(g.values[v].shape))) for v in inputs.ids]
-    it = iter(specs)
+    spec = _Specs(best.propagation)  # (a deep model's ~10^4 leaves stand for a few hundred values)
+    it = iter([spec[v] for v in inputs.ids])
     in_specs = tuple(jax.tree.map(lambda _: next(it), a) for a in args)
-    outs = iter(_spec(best.propagation.of(v, len(g.values[v].shape)) if v >= 0 else ()) for v in g.outputs)
+    outs = iter([spec[v] for v in g.outputs])
     out_specs = _carried(jax.tree.map(lambda _: next(outs), g.out_shape), g.out_shape, in_specs, args)
     c = best.cost
     cpu_peak = (
@@ -541,10 +542,10 @@ def _carried(out_specs, out_shape, in_specs: tuple, args) -> object:
         if i >= len(args):
             break
         given = {
-            leaf_key(p): (x.shape, s)
+            key_names(p): (x.shape, s)
             for (p, x), s in zip(_leaves(args[i]), jax.tree.leaves(in_specs[i], is_leaf=_is_spec))
         }
-        paths = [leaf_key(p) for p, _ in _leaves(out)]
+        paths = [key_names(p) for p, _ in _leaves(out)]
         shapes = [getattr(x, "shape", None) for _, x in _leaves(out)]
         mine = jax.tree.leaves(spec, is_leaf=_is_spec)
         kept = [given[k][1] if k in given and given[k][0] == shape else s for k, shape, s in zip(paths, shapes, mine)]
@@ -585,6 +586,19 @@ def _unused(inputs: Inputs, devices: int, best: Candidate, ranked: list[Candidat
         f"on all {devices}, data can be at most {data} (the batch is {b}) and no weight or sequence splits "
         f"the remaining {devices // data} evenly"
     )
+
+
+class _Specs(dict):
+    """Value id -> its PartitionSpec under a propagation (a literal's: replicated), each found once."""
+
+    def __init__(self, propagation):
+        super().__init__()
+        self.propagation = propagation
+
+    def __missing__(self, v: int) -> P:
+        graph = self.propagation.graph
+        self[v] = spec = _spec(self.propagation.of(v, len(graph.values[v].shape))) if v >= 0 else P()
+        return spec
 
 
 def _spec(sharding: Sharding) -> P:

@@ -185,16 +185,23 @@ def source_leaves(full, shallow, found: Sequence[Stack], depth: int, period: int
     `depth` deep) that stands for it: a member beyond the shallow ones is the member at its place
     in the last whole pattern of `period` layers (the last member, for a stack of one kind)."""
     index = {key_names(keys): i for i, (keys, _) in enumerate(jax.tree_util.tree_flatten_with_path(shallow)[0])}
+    renamed: dict[tuple[int, str], str | None] = {}  # (stack, member's name) -> its stand-in's, None: itself
+
+    def stand_in(j: int, s: Stack, name: str) -> str | None:
+        if (j, name) not in renamed:
+            i = _index(s, name)
+            keep = i is None or i < depth
+            renamed[j, name] = None if keep else name[: len(name) - len(str(i))] + str(depth - period + i % period)
+        return renamed[j, name]
+
     out = []
     for keys, _ in jax.tree_util.tree_flatten_with_path(full)[0]:
-        names = list(key_names(keys))
-        for s in found:
+        names = key_names(keys)
+        for j, s in enumerate(found):
             n = len(s.path)
-            if tuple(names[:n]) == s.path and len(names) > n:
-                i = _index(s, names[n])
-                if i is not None and i >= depth:
-                    names[n] = names[n][: len(names[n]) - len(str(i))] + str(depth - period + i % period)
-        src = index.get(tuple(names))
+            if len(names) > n and names[:n] == s.path and (m := stand_in(j, s, names[n])) is not None:
+                names = (*names[:n], m, *names[n + 1 :])
+        src = index.get(names)
         if src is None:
             return None
         out.append(src)

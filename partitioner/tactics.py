@@ -42,7 +42,7 @@ from typing import Any
 import jax
 
 from . import depth
-from .arguments import abstract_leaf, key_name
+from .arguments import abstract_leaf
 from .arguments import batch_argnums as batch_argnums_of
 from .capture import capture
 from .cost import estimate
@@ -52,6 +52,7 @@ from .hardware import Hardware
 from .ir import FactorKind, Graph, Op
 from .plan import Cost, mesh_text
 from .propagate import Propagation, Sharding, Spreading, propagate
+from .stacks import key_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +179,7 @@ def read_inputs(fn, args, batch_argnums, shallow_trace: bool = True) -> Inputs:
     for i, a in enumerate(abstract):
         for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
             argnum.append(i)
-            keys.append(tuple(key_name(k) for k in p))
+            keys.append(key_names(p))
     found = depth.shallow(fn, abstract) if shallow_trace else None
     steps = found.steps if found is not None else ()
     if found is not None:
