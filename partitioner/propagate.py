@@ -461,7 +461,11 @@ def _step(
                 if factor is None:
                     continue
             if factor not in assigned:
-                taken = [f for f, a in assigned.items() if not set(axes).isdisjoint(a)] if assigned else None
+                if assigned:
+                    wanted = set(axes)
+                    taken = [f for f, a in assigned.items() if not wanted.isdisjoint(a)]
+                else:
+                    taken = None
                 # An operand at least twice the size of the one that claimed the axis takes it
                 # over, and the smaller one is resharded instead: as GSPMD resolves a matmul whose
                 # FSDP-split weight and batch-split activation want the same axis.
@@ -469,9 +473,9 @@ def _step(
                     for f in taken:
                         del assigned[f]
                     taken = None
-                    takeovers.append((op.id, factor, tuple(axes)))
+                    takeovers.append((op.id, factor, axes))
                 if not taken:
-                    assigned[factor] = tuple(axes)
+                    assigned[factor] = axes
                     # What giving the axis up would cost is moving the operand that carries the
                     # factor, not the result that proposed it.
                     claims[factor] = info.operand_bytes.get(factor, nbytes)
@@ -525,22 +529,22 @@ def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes
             if given is None:
                 continue
             for axes, slot in zip(given, factors):
-                if axes and tuple(axes) != _held(slot, assigned, sizes[axes]):
+                if not axes:
+                    continue
+                # The axes the op's factors give this dimension split so many ways: its major
+                # factor's, or the minor factor's that such a split lands on (`_landing`).
+                if slot is None:
+                    held = ()
+                else:
+                    factor, n, minor = slot
+                    if minor and n % sizes[axes]:
+                        factor = _landing(minor, sizes[axes])
+                    held = assigned.get(factor, ()) if factor is not None else ()
+                if axes != held:
                     for moved in scattered.get(value, (value,)):
-                        out.append(Communication(op_id, "reshard", moved, tuple(axes), int(size[moved])))
+                        out.append(Communication(op_id, "reshard", moved, axes, int(size[moved])))
                     break
     return out
-
-
-def _held(slot, assigned: Mapping[int, tuple], t: int) -> tuple:
-    """The axes an op's factors give a dimension split `t` ways: its major factor's, or the minor
-    factor's that such a split lands on (`_landing`); () where none."""
-    if slot is None:
-        return ()
-    factor, size, minor = slot
-    if size % t and minor:
-        factor = _landing(minor, t)
-    return assigned.get(factor, ()) if factor is not None else ()
 
 
 def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]]:
