@@ -62,7 +62,9 @@ def estimate(
     combined: dict[tuple, int] = {}
     once: dict[tuple, float] = {}  # the latency a combined all-reduce over those axes pays per round
     held: set[int] = set()  # values a combined all-reduce waits for
-    for c in prop.communication:
+    for c in prop.communication if math.isinf(beyond) else prop.exchanged():
+        if compute + comm >= beyond:
+            return None  # (every collective adds time: the rest cannot bring it back in reach)
         p = math.prod(mesh[a] for a in c.axes)
         if p == 1 or not mult[c.op]:
             continue

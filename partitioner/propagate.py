@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 
@@ -61,6 +61,13 @@ class Propagation:
     def communication(self) -> list[Communication]:
         """What the assignment implies (`_communication`): found when first asked, as only a
         priced candidate needs it, not a tactic reading where an axis went."""
+        return list(self.exchanged())
+
+    def exchanged(self) -> Iterator[Communication]:
+        """`communication` one at a time, in op order: a pricing that stops once a candidate is
+        out of reach (`cost.estimate`'s `beyond`) finds no more of it than it reads."""
+        if "communication" in self.__dict__:
+            return iter(self.communication)
         return _communication(self.graph, self.shardings, self.factor_axes, self.device_bytes, _Products(self.mesh))
 
     @functools.cached_property
@@ -510,8 +517,7 @@ def _step(
 _BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
 
 
-def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes: _Products) -> list[Communication]:
-    out = []
+def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes: _Products) -> Iterator[Communication]:
     static = _static(graph)
     scattered = static.moved_instead
     for op_id, (reduces, reads) in enumerate(static.exchanges):
@@ -523,7 +529,7 @@ def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes
                         # A result split over the reduced axes needs only its own part of the sums.
                         split = {a for dim in shardings.get(value, ()) for a in dim}
                         kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                        out.append(Communication(op_id, kind, value, axes, int(size[value])))
+                        yield Communication(op_id, kind, value, axes, int(size[value]))
         for value, factors in reads:
             given = shardings.get(value)
             if given is None:
@@ -542,9 +548,8 @@ def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes
                     held = assigned.get(factor, ()) if factor is not None else ()
                 if axes != held:
                     for moved in scattered.get(value, (value,)):
-                        out.append(Communication(op_id, "reshard", moved, axes, int(size[moved])))
+                        yield Communication(op_id, "reshard", moved, axes, int(size[moved]))
                     break
-    return out
 
 
 def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]]:
