@@ -109,10 +109,18 @@ def test_a_price_beyond_the_bound_skips_the_peak_and_says_so():
     h100 = profile("h100")
     g = capture(mlp, f32(16, 64), f32(64, 256), f32(256, 64))
     x, w1, w2 = g.inputs
-    p = propagate(g, {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}, MESH)
+    annotations = {x: (("data",), ()), w1: ((), ("model",)), w2: (("model",), ())}
+    p = propagate(g, annotations, MESH)
     cost = estimate(p, h100)
     assert estimate(p, h100, beyond=cost.total_seconds) is None
     assert estimate(p, h100, beyond=cost.total_seconds * 1.001) == cost
+    # Fresh, a trial reaches the bound partway through its collectives: it stops reading them
+    # (`Propagation.exchanged`) and keeps none, and the whole price is the same afterwards.
+    fresh = propagate(g, annotations, MESH)
+    assert cost.communication_seconds > 0
+    assert estimate(fresh, h100, beyond=cost.compute_seconds + cost.communication_seconds / 2) is None
+    assert "communication" not in fresh.__dict__
+    assert estimate(fresh, h100) == cost and fresh.communication == p.communication
 
 
 def test_a_heads_split_wider_than_the_kv_groups_lands_on_the_query_groups():
