@@ -510,8 +510,13 @@ class JobController:
     def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None) -> State:
         detected = self.clock()
         alive, live = set(self.cluster.alive_hosts()), set(self._live_hosts())  # usable; every live one
-        dead_nodes = [n for n in e.node_ids if n not in live]
-        left = [n for n in (self.group.node_ids if self.group else ()) if n in live and n not in alive]
+        nodes = self.group.node_ids
+        # Every host of the group whose node is gone, the poll's or not (a slice's hosts can die one
+        # after the other); a process that died on a live node went down with them (on CPU a lost
+        # coordinator aborts the others), or, with no node gone, is the loss itself.
+        dead = [i for i, n in enumerate(nodes) if n not in live]
+        hosts = dead or list(e.indices)
+        left = [n for n in nodes if n in live and n not in alive]
         if left:  # a slice does not run with a host missing: its other hosts leave the group too
             self.callbacks.on_warning(
                 self, f"{len(left)} host(s) of the slice that lost a host leave the group with it"
@@ -519,15 +524,15 @@ class JobController:
         caused = self.callbacks.lost_at(e.node_ids)
         failures = recovery.failures + 1 if recovery is not None else 1
         snapshot_every = self.segment.snapshot_every if self.segment else 0
-        self._event(EventKind.HOST_LOST, seconds=(detected - caused) if caused is not None else 0.0, hosts=e.indices,
-                    nodes_dead=len(dead_nodes), slice_left=len(left), snapshot_every=snapshot_every,
-                    detail=str(e))  # fmt: skip
+        self._event(EventKind.HOST_LOST, seconds=(detected - caused) if caused is not None else 0.0, hosts=hosts,
+                    processes=[i for i in e.indices if i not in hosts], nodes_dead=len(dead), slice_left=len(left),
+                    snapshot_every=snapshot_every, detail=str(e))  # fmt: skip
         self._stop_group()
         decision = self.failure.on_failure(
             policies.Failure(
                 hosts_in_group=target,
-                hosts_lost=len(dead_nodes),
-                processes_lost=len(e.indices) - len(dead_nodes),
+                hosts_lost=len(dead),
+                processes_lost=len([i for i in e.indices if i not in dead]),
                 hosts_alive=len(alive),
                 failures_in_a_row=failures - 1,
             )

@@ -126,7 +126,11 @@ class ConsoleCallback(ControllerCallback):
     def on_event(self, controller, event) -> None:
         f, step = event.fields, event.step
         line = {
-            EventKind.HOST_LOST: lambda: f"lost  host(s) {f['hosts']} after step {step} ({f['detail']})",
+            EventKind.HOST_LOST: lambda: (
+                f"lost  host(s) {f['hosts']} after step {step}"
+                + (f", process(es) {f['processes']} down with them" if f.get("processes") else "")
+                + f" ({f['detail']})"
+            ),
             EventKind.HOST_ADDED: lambda: (
                 f"grow  {controller.state.resize.reason}: resizing to {f['hosts']} hosts at the next checkpoint"
             ),

@@ -33,6 +33,8 @@ class World:
         self.eval_every = 0  # groups evaluate after every so many steps (0: never)
         self.input_seconds = 0.0  # of each step's 0.1 s, waited for its batch
         self.snapshot = None  # the next group restores this peer snapshot (a restore report's fields)
+        self.down_with_loss = ()  # processes that die with any loss on their live nodes (CPU aborts)
+        self.unseen = set()  # dead nodes the poll still finds answering (their death not yet seen)
 
     def alive_hosts(self):
         return list(self.alive)
@@ -87,8 +89,9 @@ def fake_group_cls(world, every, now):
         def poll(self):
             if world.broken:
                 raise SegmentFailedError("host 0 failed:\nZeroDivisionError: in the user's step")
-            dead = [i for i, n in enumerate(self.node_ids) if n not in world.alive]
+            dead = [i for i, n in enumerate(self.node_ids) if n not in world.alive and n not in world.unseen]
             if dead:
+                dead = sorted({*dead, *world.down_with_loss})
                 survivors = []
                 if world.survivors_report:  # they finished one more step before the loss was seen
                     self.step += 1
@@ -251,6 +254,29 @@ def test_chaos_kills_the_named_host_once_its_step_is_reached():
     assert c.phase is Phase.FINISHED
     lost = [e for e in s.events if e["kind"] == "host_lost"]
     assert len(lost) == 1 and lost[0]["hosts"] == [0]
+
+
+def test_processes_that_go_down_with_a_lost_host_are_told_apart_and_come_back():
+    world = World(4)
+    world.down_with_loss = (2, 3)  # the coordinator's loss aborts them, their nodes live on
+    c, s = make(world, chaos=parse_chaos("lose@6:0"))
+    run_until(c, lambda: len(world.groups) == 2 and c.phase is Phase.RUNNING)
+    lost = next(e for e in s.events if e["kind"] == "host_lost")
+    assert (lost["hosts"], lost["processes"], lost["nodes_dead"]) == ([0], [2, 3], 1)
+    assert world.groups[1].node_ids == ["node1", "node2", "node3"]
+
+
+def test_a_dead_host_the_poll_has_not_seen_yet_counts_as_dead():
+    world = World(4)
+    c, s = make(world)
+    run_until(c, lambda: s.steps_completed == 5)
+    world.kill_host("node2")
+    world.kill_host("node3")
+    world.unseen = {"node3"}  # still answers the poll that finds node2 dead
+    run_until(c, lambda: len(world.groups) == 2 and c.phase is Phase.RUNNING)
+    lost = next(e for e in s.events if e["kind"] == "host_lost")
+    assert (lost["hosts"], lost["processes"], lost["nodes_dead"]) == ([2, 3], [], 2)
+    assert world.groups[1].node_ids == ["node0", "node1"]
 
 
 def test_an_error_in_the_program_fails_the_job_with_its_traceback():
