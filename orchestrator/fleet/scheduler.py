@@ -34,6 +34,10 @@ from .policy import FleetPolicyConfig, JobView, Quota, allocate
 NAME, NAMESPACE = "remesh-fleet", "remesh"
 HOST_RESOURCE = "remesh_host"
 NODE_LABEL = "ray.io/node-id"  # Ray's own label on every node: pins a reservation to one host
+# A job's reservations that hold a host for it: placed (CREATED), or being placed for the first
+# time: waiting for a host (PENDING) or between the two phases of Ray's placement (PREPARED).
+# RESCHEDULING ones lost their host; Ray places them again where one is free.
+RESERVED = ("PENDING", "PREPARED", "CREATED")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +199,7 @@ class FleetScheduler:
                 _drop(e, pg_id)  # its host died: Ray cannot place a pinned reservation elsewhere
         tables = {run: _tables(e) for run, e in self.jobs.items()}
         placed = {run: set(_placed(e, tables[run])) for run, e in self.jobs.items()}
-        views = [_view(run, e, sum(t["state"] in ("CREATED", "PENDING") for t in tables[run].values()))
+        views = [_view(run, e, sum(t["state"] in RESERVED for t in tables[run].values()))
                  for run, e in self.jobs.items()]  # fmt: skip
         decided = allocate(views, _capacity(alive, said, self.jobs.values()), self.policy)
         for run, e in self.jobs.items():
@@ -366,8 +370,8 @@ def _placed(e: _Entry, tables: dict[str, dict]) -> dict[str, str]:
 
 def _tables(e: _Entry) -> dict[str, dict]:
     """Each reservation's entry in Ray's placement group table, one GCS read each: its state,
-    CREATED (placed), PENDING (waiting for a free host, never placed yet) or RESCHEDULING (its
-    host died; being placed again), and the node its bundle is on."""
+    CREATED (placed), PENDING (waiting for a free host, never placed yet), PREPARED (being
+    placed) or RESCHEDULING (its host died; being placed again), and the node its bundle is on."""
     from ray.util import placement_group_table
 
     return {pg_id: placement_group_table(pg) for pg_id, pg in e.pgs.items()}
