@@ -20,9 +20,11 @@ A step that reads its depth elsewhere (a module constant) fails to trace shallow
 different graphs, and is traced whole.
 
 Layers that alternate (local and global attention every other layer) fold to different graphs at
-3 and 4 layers, as half patterns do; such a step is traced at whole patterns, 4 layers (kept from
-the first try) and 6, and a real layer's weights planned as those at its place in the last traced
-pattern. The two timelines are matched where each folded op first and last runs (`_matched_times`).
+3 and 4 layers, as half patterns do; such a step is traced at whole patterns, 4 layers and 6, and
+a real layer's weights planned as those at its place in the last traced pattern. The 4-layer
+trace, made first, tells which: folded with each layer's leaves grouped by their place in a pair,
+alternating layers fold to fewer ops than grouped as one kind (`_pairs`). The two timelines are
+matched where each folded op first and last runs (`_matched_times`).
 """
 
 from __future__ import annotations
@@ -149,21 +151,64 @@ def shallow(fn, abstract: tuple) -> Shallow | None:
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)
     (depth,) = depths
-    memo = {}  # kept for every trace of `fn` (an NNX graph is merged once for all of them)
-    traces: dict[int, tuple | None] = {}  # layers -> `_trace`'s
-    for period, pair in PAIRS:
-        if pair[1] >= depth:
-            break
-        if depth % period:
-            continue  # half a pattern at the end: its layers' counts are not on the line
-        for k in pair:
-            if k not in traces:
-                traces[k] = _trace(fn, abstract, found, depth, k, memo)
-        if all(traces[k] is not None for k in pair):
-            out = _traced_pair(abstract, found, depth, pair, period, [traces[k] for k in pair])
+    traced = _Traced(fn, abstract, found, depth)
+    for period, pair in _pairs(depth, traced):
+        if all(traced.trace(k) is not None for k in pair):
+            out = _traced_pair(traced, pair, period)
             if out is not None:
                 return out
     return None
+
+
+def _pairs(depth: int, traced: _Traced) -> list[tuple[int, tuple[int, int]]]:
+    """The (period, pair) of `PAIRS` the stacks are deep enough for, in the order to try them.
+    Where both are, the depth they share (4) is traced first and folded both ways: layers that
+    alternate fold to fewer ops with each layer's leaves grouped by their place in a pair, and
+    are then traced at whole patterns first, without the 3-layer trace that would not fold
+    alike (10 layers traced in all, not 13)."""
+    pairs = [(period, pair) for period, pair in PAIRS if pair[1] < depth and depth % period == 0]
+    if len(pairs) == 2:
+        (k,) = set(pairs[0][1]) & set(pairs[1][1])
+        one, two = (traced.fold(k, period) for period, _ in pairs)
+        if one is not None and two is not None and len(two.graph.ops) < len(one.graph.ops):
+            pairs.reverse()
+    return pairs
+
+
+class _Traced:
+    """The step's shallow traces (`_trace`), each made once, and their folds by layer period."""
+
+    def __init__(self, fn, abstract: tuple, found, depth: int):
+        self.fn, self.abstract, self.found, self.depth = fn, abstract, found, depth
+        self.memo = {}  # kept for every trace of `fn` (an NNX graph is merged once for all of them)
+        self.traces: dict[int, tuple | None] = {}  # layers -> `_trace`'s
+        self.folds: dict[tuple[int, int], tuple] = {}  # (layers, period) -> (args, graph, leaves, fold)
+        self.fold_seconds = 0.0
+
+    def trace(self, k: int) -> tuple | None:
+        if k not in self.traces:
+            self.traces[k] = _trace(self.fn, self.abstract, self.found, self.depth, k, self.memo)
+        return self.traces[k]
+
+    def fold(self, k: int, period: int) -> Fold | None:
+        got = self.folded(k, period)
+        return got[3] if got is not None else None
+
+    def folded(self, k: int, period: int) -> tuple | None:
+        """(args, graph, its argument leaves, its fold) of the `k`-layer trace, each leaf of a
+        layer one weight with those at its place in every pattern of `period` layers."""
+        traced = self.trace(k)
+        if traced is None:
+            return None
+        if (k, period) not in self.folds:
+            _, args, _, graph = traced
+            keys = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+            leaves = graph.inputs[len(graph.inputs) - len(keys) :]
+            t = time.perf_counter()
+            layers = [[leaves[j] for j in g] for g in layer_groups(keys, self.found, period)]
+            self.folds[k, period] = (args, graph, leaves, fold(graph, keys, leaves, layers))
+            self.fold_seconds += time.perf_counter() - t
+        return self.folds[k, period]
 
 
 def _trace(fn, abstract: tuple, found, depth: int, k: int, memo: dict) -> tuple | None:
@@ -180,20 +225,16 @@ def _trace(fn, abstract: tuple, found, depth: int, k: int, memo: dict) -> tuple 
         return None
 
 
-def _traced_pair(abstract: tuple, found, depth: int, pair: tuple[int, int], period: int, traces) -> Shallow | None:
+def _traced_pair(traced: _Traced, pair: tuple[int, int], period: int) -> Shallow | None:
     """`shallow` from the traces at the two depths in `pair`, or None where they do not fold to the
     same graph or their timelines cannot be matched."""
-    traced, folding, swaps, steps = [], 0.0, {}, []
-    for step, args, swapped, graph in traces:
+    abstract, found, depth = traced.abstract, traced.found, traced.depth
+    swaps, steps = {}, []
+    for k in pair:
+        step, args, swapped, _ = traced.trace(k)
         swaps.update(swapped)
         steps.append((step, args))
-        keys = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-        leaves = graph.inputs[len(graph.inputs) - len(keys) :]
-        t = time.perf_counter()
-        layers = [[leaves[j] for j in g] for g in layer_groups(keys, found, period)]
-        traced.append((args, graph, leaves, fold(graph, keys, leaves, layers)))
-        folding += time.perf_counter() - t
-    (_, g1, _, f1), (args2, g2, leaves2, f2) = traced
+    (_, g1, _, f1), (args2, g2, leaves2, f2) = (traced.folded(k, period) for k in pair)
     matched = _same_graph(f1.graph, f2.graph)
     times = _matched_times(g1, f1, g2, f2, matched[1]) if matched is not None else None
     if matched is None or times is None:
@@ -211,7 +252,7 @@ def _traced_pair(abstract: tuple, found, depth: int, pair: tuple[int, int], peri
     graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=statics_restored(outputs[1], swaps))
     unmatched = _unmatched_scalars(f1.graph, of_shallow)
     deep = Deepened(f1, f2, graph, mult, to_shallow, unmatched, depths, times, line(f1.original_ops, f2.original_ops))
-    return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, folding, tuple(steps))
+    return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, traced.fold_seconds, tuple(steps))
 
 
 def _along(at_a, at_b, depths: tuple[int, int, int]):

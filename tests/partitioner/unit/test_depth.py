@@ -139,13 +139,12 @@ def test_alternating_layers_are_traced_as_whole_patterns(monkeypatch):
     to different graphs, 4 and 6 (two and three pairs, each leaf of a pair's layers one weight
     from the start) to one, and every candidate is priced as from the whole step
     (tests/corpus/gemma.py); its optimizer's per-leaf steps over 7 leaves a layer are runs
-    shorter than a fold's blocks, matched on the timelines all the same. The 4-layer trace of
-    the first try is kept: three traces, not four."""
-    traced = []
-    capture = depth.capture
-    monkeypatch.setattr(depth, "capture", lambda fn, *args, **kw: traced.append(args) or capture(fn, *args, **kw))
+    shorter than a fold's blocks, matched on the timelines all the same. The 4-layer trace,
+    folded both ways first, tells the layers alternate: no 3-layer trace is made."""
+    made, trace = [], depth._trace
+    monkeypatch.setattr(depth, "_trace", lambda *args: made.append(args[4]) or trace(*args))  # (fn, ..., layers, memo)
     _assert_priced_alike(_priced_both_ways("gemma", monkeypatch, layers=12, traced=(4, 6)))
-    assert len(traced) == 3
+    assert made == [4, 6]
 
 
 def test_a_train_states_apply_fn_is_cut_with_the_arguments(monkeypatch):
