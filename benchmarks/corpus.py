@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/corpus.py depth [NAME ...]    # plan time against depth (1,024 devices)
     .venv/bin/python benchmarks/corpus.py large               # 96 layers, 2M tokens, 1,024 H100s
     .venv/bin/python benchmarks/corpus.py plantime [NAME ...] # fast plan on 8 devices, guard included
+    .venv/bin/python benchmarks/corpus.py replan [NAME ...]   # a second device count, the step read once
     .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
@@ -21,6 +22,9 @@ difference between their predicted costs.
 `plantime`: `plan(..., devices=8, level="fast")` wall time with the compiler guard, each run in a
 fresh process (so nothing compiled before is reused), median of 3, with where the time went and
 what the guard compiled.
+`replan`: at 96 layers, `plan(..., devices=512)` made fresh against the same plan from a
+`StepPlanner` that has just planned the step for 1,024 devices (a job's start, then the plan
+it makes ahead for a smaller mesh), alternating, median of 3, in this process.
 `digests`: each model's fast plan (no guard) on DEVICES devices at LAYERS layers: a digest of its
 specs and mesh, its predicted time and the propagations it took; run in two checkouts and
 compared, it shows a change that should not move plans does not.
@@ -93,6 +97,32 @@ def depth(names) -> None:
             f"| {plans[96].notes[-1]} |",
             flush=True,
         )
+
+
+def replan(names) -> None:
+    """A plan for 512 devices made fresh against the same plan made by a `StepPlanner` that has
+    planned the step for 1,024 (a job's start, then its plan ahead), at 96 layers."""
+    from partitioner import StepPlanner, plan
+    from tests.corpus import LOOPED, load
+
+    print("| model | fresh plan (s) | after a plan for 1,024 (s) | after / fresh | same plan |")
+    print("|---|---|---|---|---|")
+    for name in names or LOOPED:
+        module, options = load(name)
+        times, plans = {"fresh": [], "after": []}, {}
+        for r in range(3):
+            for way in ("fresh", "after") if r % 2 == 0 else ("after", "fresh"):
+                fn, args = module.build(layers=96, **options)
+                options_ = dict(hardware="h100", compile_check=False)
+                if way == "after":
+                    steps = StepPlanner(fn, *args)
+                    steps.plan(1024, **options_)
+                t = time.perf_counter()
+                plans[way] = steps.plan(512, **options_) if way == "after" else plan(fn, *args, devices=512, **options_)
+                times[way].append(time.perf_counter() - t)
+        fresh, after = statistics.median(times["fresh"]), statistics.median(times["after"])
+        same = _specs(plans["fresh"]) == _specs(plans["after"]) and plans["fresh"].mesh == plans["after"].mesh
+        print(f"| {name} | {fresh:.2f} | {after:.2f} | {after / fresh:.2f} | {'yes' if same else 'NO'} |", flush=True)
 
 
 def _cost_drift(a, b) -> float:
@@ -277,6 +307,7 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]
     jobs = {"tables": lambda: tables(names), "depth": lambda: depth(names), "plantime": lambda: plantime(names),
+            "replan": lambda: replan(names),
             "slices": lambda: sliced(names), "slices8k": slices8k, "slices-experts": slices_experts}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])

@@ -5,7 +5,8 @@
 
 Plans are data (`Plan.to_json`/`from_json`), computed against an abstract mesh and bound last.
 `plan` searches the program's folded factor graph (`search.py`; its `search` also returns every
-candidate priced); `plan_by_shapes` is the shapes-only baseline (`shapes.py`). `verify(plan, fn,
+candidate priced; `StepPlanner` plans one step for several device counts, read once);
+`plan_by_shapes` is the shapes-only baseline (`shapes.py`). `verify(plan, fn,
 *args)` compiles a plan and reports the collectives XLA inserted; `verify_many` compiles several
 at once.
 
@@ -17,7 +18,7 @@ Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, fa
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
 from .plan import Cost, Plan, PlanMismatchError, mesh_text
-from .search import LEVELS, plan
+from .search import LEVELS, StepPlanner, plan
 from .shapes import plan_by_shapes
 from .tactics import TACTICS, Candidate
 from .verify import Collective, Verification, VerifyDevicesError, verify, verify_many
@@ -34,6 +35,7 @@ __all__ = [
     "PlanInputError",
     "PlanMemoryError",
     "PlanMismatchError",
+    "StepPlanner",
     "TACTICS",
     "UnknownHardwareError",
     "Verification",

@@ -21,9 +21,11 @@ cheapest is chosen; the plan's notes say which were compiled and why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 
@@ -98,18 +100,51 @@ def plan(
 
 
 def search(fn, *args, **kwargs) -> tuple[Plan, list[Candidate]]:
-    """The cheapest plan that fits, and every candidate priced (best first); see `_search`.
+    """The cheapest plan that fits, and every candidate priced (best first); see `_search`."""
+    return _without_gc(functools.partial(_search, fn, *args, **kwargs))
 
-    The cyclic garbage collector is paused meanwhile: the search allocates many small objects
-    while an unrolled graph of ~10^5 ops is alive, and each full collection would walk all of it.
-    """
+
+def _without_gc(work):
+    """`work()` with the cyclic garbage collector paused: capture and search allocate many small
+    objects while an unrolled graph of ~10^5 ops is alive, and each full collection would walk
+    all of it."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _search(fn, *args, **kwargs)
+        return work()
     finally:
         if enabled:
             gc.enable()
+
+
+class StepPlanner:
+    """Plans of one step for whatever devices a cluster offers, the step captured and folded once:
+    the first plan reads it, and every later one (another device count, a plan made ahead, a
+    re-plan after a loss) is a search alone, its notes saying the capture was reused. Plans as
+    `plan` makes them; two threads may plan at once (a controller and its planning thread), the
+    step read by the first of them.
+
+    Example:
+        >>> steps = StepPlanner(train_step, state, batch)
+        >>> full, smaller = steps.plan(devices=16), steps.plan(devices=12)
+    """
+
+    def __init__(self, fn, *args, batch_argnums: Sequence[int] | None = None, shallow_trace: bool = True):
+        self.fn, self.args = fn, args
+        self._read = functools.partial(read_inputs, fn, args, batch_argnums, shallow_trace)
+        self._inputs: Inputs | None = None
+        self._lock = threading.Lock()
+
+    def plan(self, devices, **options) -> Plan:
+        """`plan(fn, *args, devices=devices, **options)`, from the step as first read."""
+        with self._lock:
+            first = self._inputs is None
+            if first:
+                self._inputs = _without_gc(self._read)
+        n = devices if isinstance(devices, int) else len(devices)
+        if n < 1:
+            raise PlanInputError(f"devices must be at least 1, got {n}")
+        return search(self.fn, *self.args, devices=n, inputs=self._inputs, reused=not first, **options)[0]
 
 
 def _search(
@@ -124,9 +159,12 @@ def _search(
     compile_check: bool | str = "auto",
     shallow_trace: bool = True,
     slices: int = 1,
+    inputs: Inputs | None = None,
+    reused: bool = False,
 ) -> tuple[Plan, list[Candidate]]:
     """The cheapest plan that fits, and every candidate priced (best first). `tactics` limits
-    the search to the named ones (`TACTICS`; "exact" is the thorough level's solver).
+    the search to the named ones (`TACTICS`; "exact" is the thorough level's solver). `inputs`:
+    the step as `read_inputs` read it (`StepPlanner`), `reused` where an earlier plan did.
 
     Example:
         >>> plan, ranked = search(step, state, batch, devices=8, hardware="h100", level="thorough")
@@ -137,7 +175,7 @@ def _search(
         raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
     hw = profile(hardware).sliced(devices, _slices(devices, slices))
     limit = int(memory_limit or hw.memory_bytes)
-    inputs = read_inputs(fn, args, batch_argnums, shallow_trace)
+    inputs = inputs or read_inputs(fn, args, batch_argnums, shallow_trace)
     t1 = time.perf_counter()
     meshes = mesh_shapes(devices, inputs, hw, level)
     unknown = set(tactics or ()) - set(TACTICS)
@@ -176,12 +214,14 @@ def _search(
     guard = checked + guard + tuple(floored)
     t2 = time.perf_counter()
     traced = inputs.fold.depths if isinstance(inputs.fold, Deepened) else None
-    timing = (
-        f"time: capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops"
+    read = (
+        "capture and fold reused from an earlier plan "
+        if reused
+        else f"capture {inputs.seconds[0]:.2f} s ({inputs.fold.original_ops} ops"
         + (f"; {traced[0]} and {traced[1]} of {traced[2]} layers traced" if traced else "")
         + f"), fold {inputs.seconds[1]:.2f} s "
-        f"({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     )
+    timing = f"time: {read}({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     plan = _to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
     return plan, ranked
 

@@ -85,6 +85,7 @@ def job_planner(job: JobSpec, step, state, batch, layout=None):
     import partitioner
 
     layout = layout or job.slices()
+    steps = partitioner.StepPlanner(step, state, batch)  # traced once, for every device count
 
     def planner(devices: int):
         slices = layout.slices(devices // job.hosts.devices_per_host)  # a group runs on whole slices
@@ -93,8 +94,7 @@ def job_planner(job: JobSpec, step, state, batch, layout=None):
         # No compile check here: the driver's devices are not the cluster's (one CPU device on a
         # real head node, where the check is skipped anyway), and every re-plan is on the
         # recovery path. `remesh plan` shows what the check would choose.
-        return partitioner.plan(step, state, batch, devices=devices, hardware=job.hardware, level=job.search_level,
-                                compile_check=False, slices=slices)  # fmt: skip
+        return steps.plan(devices, hardware=job.hardware, level=job.search_level, compile_check=False, slices=slices)
 
     return planner
 
