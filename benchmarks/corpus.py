@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/corpus.py replan [NAME ...]   # a second device count, the step read once
     .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
+    .venv/bin/python benchmarks/corpus.py ab96 BASE NAME ...   # 96 layers on 1,024, against BASE
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
     .venv/bin/python benchmarks/corpus.py slices8k            # 96 layers on 8,192 tpu-v5p chips in 16 slices
     .venv/bin/python benchmarks/corpus.py slices-experts      # DeepSeek MoE on 4 x 2: experts across slices or not
@@ -30,6 +31,9 @@ specs and mesh, its predicted time and the propagations it took; run in two chec
 compared, it shows a change that should not move plans does not.
 `ab`: `plantime`'s plan on 8 devices in this checkout and in the one at BASE (`git worktree add`),
 alternating in three rounds, each run in a fresh process.
+`ab96`: `depth`'s 96-layer search (1,024 devices, no guard) in this checkout and at BASE, each a
+fresh process doing a warm-up then three runs (median and runs reported), alternating in two
+rounds.
 `slices`: the fast plan on 2 slices of 4 and 4 slices of 2 fake devices with the tpu-v5p and
 h100 profiles against the hand-written hybrid plans (`common.hybrid_experts`: HSDP, data parallel
 across slices with Megatron or Megatron+FSDP inside, FSDP and DP everywhere), all compiled and
@@ -187,6 +191,40 @@ def ab(base: str, names) -> None:
             )
 
 
+def ab96(base: str, names) -> None:
+    """`depth`'s 96-layer search in this checkout and the one at BASE, each a fresh process (a
+    warm-up, then three runs), alternating in two rounds."""
+    print("| model | round | tree | median (s) | runs (s) | where the time went (last run) |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        for r in range(2):
+            for label, root in (("base", base), ("this", ROOT)) if r % 2 == 0 else (("this", ROOT), ("base", base)):
+                seconds, note = _deep_planned(root, name)
+                runs = " ".join(f"{t:.2f}" for t in seconds)
+                print(
+                    f"| {name} | {r + 1} | {label} | {statistics.median(seconds):.2f} | {runs} | {note} |", flush=True
+                )
+
+
+def _deep_planned(root: str, name: str) -> tuple[list[float], str]:
+    import subprocess
+
+    code = (
+        "import sys, time, json; sys.path.insert(0, {root!r})\n"
+        "from tests.corpus import load\nfrom partitioner.search import search\n"
+        "m, o = load({name!r}); ts = []\n"
+        "for i in range(4):\n"
+        "    fn, args = m.build(layers=96, **o); t = time.perf_counter()\n"
+        "    p, _ = search(fn, *args, devices=1024, hardware='h100', compile_check=False)\n"
+        "    ts.append(time.perf_counter() - t)\n"
+        "print(json.dumps([ts[1:], p.notes[-1].removeprefix('time: ')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code.format(root=root, name=name)], capture_output=True, text=True, check=True
+    )
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def digests(devices: int, layers: int, names) -> None:
     import hashlib
 
@@ -310,5 +348,6 @@ if __name__ == "__main__":
             "replan": lambda: replan(names),
             "slices": lambda: sliced(names), "slices8k": slices8k, "slices-experts": slices_experts}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
+    jobs["ab96"] = lambda: ab96(names[0], names[1:])
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()
