@@ -148,8 +148,6 @@ def _specs(plan) -> list:
 
 def _planned(root: str, name: str) -> tuple[float, list[str]]:
     """`plan(...)` on 8 devices with the guard, in a fresh process, as the checkout at `root` has it."""
-    import subprocess
-
     code = (
         "import sys, time, json; sys.path.insert(0, {root!r})\n"
         "from tests.corpus import load\nfrom partitioner import plan\n"
@@ -157,6 +155,13 @@ def _planned(root: str, name: str) -> tuple[float, list[str]]:
         "t = time.perf_counter(); p = plan(fn, *args, devices=8, hardware='h100', level='fast')\n"
         "print(json.dumps([time.perf_counter() - t, list(p.notes)]))"
     )
+    return _fresh_process(code, root, name)
+
+
+def _fresh_process(code: str, root: str, name: str) -> tuple:
+    """What `code` (formatted with `root` and `name`) prints last as JSON, run in a fresh process."""
+    import subprocess
+
     out = subprocess.run(
         [sys.executable, "-c", code.format(root=root, name=name)], capture_output=True, text=True, check=True
     )
@@ -207,8 +212,6 @@ def ab96(base: str, names) -> None:
 
 
 def _deep_planned(root: str, name: str) -> tuple[list[float], str]:
-    import subprocess
-
     code = (
         "import sys, time, json; sys.path.insert(0, {root!r})\n"
         "from tests.corpus import load\nfrom partitioner.search import search\n"
@@ -219,10 +222,7 @@ def _deep_planned(root: str, name: str) -> tuple[list[float], str]:
         "    ts.append(time.perf_counter() - t)\n"
         "print(json.dumps([ts[1:], p.notes[-1].removeprefix('time: ')]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code.format(root=root, name=name)], capture_output=True, text=True, check=True
-    )
-    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+    return _fresh_process(code, root, name)
 
 
 def digests(devices: int, layers: int, names) -> None:
