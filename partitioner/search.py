@@ -137,13 +137,16 @@ class StepPlanner:
 
     def plan(self, devices, **options) -> Plan:
         """`plan(fn, *args, devices=devices, **options)`, from the step as first read."""
+        n = devices if isinstance(devices, int) else len(devices)
+        if n < 1:
+            raise PlanInputError(f"devices must be at least 1, got {n}")
+        how = sorted({"batch_argnums", "shallow_trace"} & set(options))
+        if how:
+            raise PlanInputError(f"{how} say how the step is read: give them to StepPlanner(...), which reads it once")
         with self._lock:
             first = self._inputs is None
             if first:
                 self._inputs = _without_gc(self._read)
-        n = devices if isinstance(devices, int) else len(devices)
-        if n < 1:
-            raise PlanInputError(f"devices must be at least 1, got {n}")
         return search(self.fn, *self.args, devices=n, inputs=self._inputs, reused=not first, **options)[0]
 
 
@@ -175,7 +178,10 @@ def _search(
         raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
     hw = profile(hardware).sliced(devices, _slices(devices, slices))
     limit = int(memory_limit or hw.memory_bytes)
-    inputs = inputs or read_inputs(fn, args, batch_argnums, shallow_trace)
+    if inputs is None:
+        inputs = read_inputs(fn, args, batch_argnums, shallow_trace)
+    elif not reused:
+        t0 -= sum(inputs.seconds)  # read just before, for this plan: its time is this plan's
     t1 = time.perf_counter()
     meshes = mesh_shapes(devices, inputs, hw, level)
     unknown = set(tactics or ()) - set(TACTICS)

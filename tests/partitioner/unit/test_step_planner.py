@@ -38,5 +38,10 @@ def test_a_step_read_once_plans_every_device_count_as_plan_does(monkeypatch):
         assert essentials(p) == essentials(fresh[n]), n
     reused = [n for n, p in got.items() if "capture and fold reused from an earlier plan" in p.notes[-1]]
     assert sorted(reused) in ([2, 4], [2, 8])  # all but the first one planned
+    (first,) = set(got) - set(reused)
+    read = steps._inputs.seconds  # the first plan's time includes reading the step
+    assert got[first].search_seconds > sum(read) > 0 and got[first].notes[-1].startswith("time: capture ")
     with pytest.raises(PlanInputError, match="devices must be at least 1, got 0"):
         steps.plan(0)
+    with pytest.raises(PlanInputError, match=r"\['batch_argnums'\] say how the step is read: give them to StepPlanner"):
+        steps.plan(8, batch_argnums=(1,))
