@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 from helpers.jobs import gpt_job
+from helpers.recovery import assert_at_most_the_snapshot_interval_recomputed, kinds
 
 from tests.helpers.paths import ROOT
 
@@ -70,10 +71,6 @@ def assert_same_losses(run, static):
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
-def kinds(run, *names):
-    return [e for e in run["events"] if e["kind"] in names]
-
-
 def assert_restores_are_bitwise(run):
     """Restores from disk match the digest saved with the step; restores from peer snapshots in
     host memory are checked piece by piece (crc32), and a failed check would have fallen back."""
@@ -84,24 +81,6 @@ def assert_restores_are_bitwise(run):
             assert e["saved_digest"] and e["digest"] == e["saved_digest"], e
         else:
             assert e["source"] == "memory" and e["bytes_needed"] > 0, e
-
-
-def assert_at_most_the_snapshot_interval_recomputed(run):
-    """After each host loss the group resumes from the newest state kept, at most one snapshot
-    interval (measured against its budget; 1 on the demo, more on a loaded machine) behind the step
-    reached: a peer snapshot; or the newest commit, where no complete snapshot was newer (a loss
-    right after a commit: with an interval of 3, the loss at 41 found snapshot 39 and commit 40,
-    and computed 41 again)."""
-    lost = kinds(run, "host_lost")
-    restores = [next(e for e in kinds(run, "restore") if e["at"] >= loss["at"]) for loss in lost]
-    assert run["recomputed_steps"] == [e["recomputed"] for e in restores]
-    for loss, restore in zip(lost, restores):
-        if restore["source"] == "disk":  # the newest commit, all that was computed since it again
-            assert restore["step"] == restore["committed"], restore
-            assert restore["recomputed"] == loss["step"] - restore["step"], (loss, restore)
-        else:
-            assert restore["source"] == "memory", restore
-        assert 0 <= restore["recomputed"] <= max(1, loss["snapshot_every"]), (loss, restore)
 
 
 def assert_recovered_with_parts_recorded(run, losses):
