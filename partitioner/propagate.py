@@ -142,22 +142,40 @@ def _relabelled(graph: Graph, static: _Static, shardings: dict, factor_axes: dic
 
 
 def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Sharding], touching: Mapping[int, list[int]]):
-    # Every candidate on a mesh spreads the same batch first: that stage's outcome is kept on the
-    # graph and each later run starts from a copy of it.
-    key = (tuple(mesh.items()), tuple(sorted(stages[0].items())), max_sweeps) if len(stages) > 1 and not seeds else None
+    # Every candidate on a mesh spreads the same batch first, and the reruns of candidates whose
+    # weights took over at the same ops (most of a refinement's trials) spread it beside the same
+    # seeds: that stage's outcome is kept on the graph and each later run starts from a copy of it.
+    key = None
+    if len(stages) > 1:
+        key = (tuple(mesh.items()), tuple(sorted(stages[0].items())), tuple(sorted(seeds.items())), max_sweeps)
     cache = graph._first_stage
     cached = key is not None and key in cache
     if cached:
-        state = _copied(cache[key])
+        cache[key] = kept = cache.pop(key)  # the most recently used last (`_keep`)
+        state = _copied(kept)
         stages = stages[1:]
     else:
         state = _fresh(graph, seeds)
     for n, stage in enumerate(stages):
         _stage(graph, state, stage, n == 0 and not cached, mesh, max_sweeps, touching)
         if key is not None and key not in cache:
-            cache[key] = _copied(state)
+            _keep(cache, key, _copied(state))
     shardings, _, factor_axes, _, takeovers = state
     return shardings, factor_axes, takeovers
+
+
+SEEDED_KEPT = 8  # first stages kept per graph with seeds (a copy of the state each): those last used
+
+
+def _keep(cache: dict, key: tuple, state) -> None:
+    """`state` kept under `key`; of those with seeds (key[2]), only the SEEDED_KEPT last used: the
+    unseeded ones are one per mesh, the seeded ones as many as the distinct takeovers met (a
+    graph is kept for a job's life, `StepPlanner`)."""
+    cache[key] = state
+    if key[2]:
+        seeded = [k for k in cache if k[2]]
+        for old in seeded[: len(seeded) - SEEDED_KEPT]:
+            del cache[old]
 
 
 def _fresh(graph: Graph, seeds: Mapping[int, Sharding]):

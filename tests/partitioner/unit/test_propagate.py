@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from partitioner.capture import capture
-from partitioner.propagate import _static, propagate
+from partitioner.propagate import _fresh, _static, propagate
 
 f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
 MESH = {"data": 2, "model": 4}
@@ -182,3 +182,27 @@ def test_a_chain_of_elementwise_ops_of_one_array_is_sharded_as_its_operand_and_n
     sqrt = chain[-1].results[0]
     q = propagate(g, {sqrt: (("data",), ("model",))}, MESH)
     assert q.shardings[hidden] == (("data",), ("model",)) and q.shardings[w][1] == ("model",)
+
+
+def test_a_rerun_after_a_takeover_starts_from_its_kept_first_stage_and_ends_as_a_fresh_one(monkeypatch):
+    # FSDP-split weights far larger than the batch's activations take the data axis over at their
+    # matmuls: propagation runs again with those matmuls' results seeded. A second candidate with
+    # the same takeovers (a refinement's next trial) starts both runs from kept first stages.
+    from partitioner import propagate as module
+
+    shapes = (f32(8, 64), f32(64, 2048), f32(2048, 64))
+    g = capture(mlp, *shapes)
+    x, w1, w2 = g.inputs
+    batch = {x: (("data",), ())}
+    annotations = {**batch, w1: ((), ("data",)), w2: (("data",), ())}  # w1 split by its columns
+    first = propagate(g, annotations, MESH, first=batch)
+    assert any(key[2] for key in g._first_stage), "no takeover: the test needs a rerun with seeds"
+    fresh = []
+    monkeypatch.setattr(module, "_fresh", lambda *a: fresh.append(a) or _fresh(*a))
+    again = propagate(g, annotations, MESH, first=batch)
+    assert fresh == []  # both runs began from a kept stage
+    other = capture(mlp, *shapes)  # nothing kept on it
+    reference = propagate(other, dict(zip(other.inputs, annotations.values())), MESH, first=[other.inputs[0]])
+    for p in (first, again):
+        assert p.shardings == reference.shardings and p.factor_axes == reference.factor_axes
+        assert p.communication == reference.communication
