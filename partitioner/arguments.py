@@ -1,5 +1,5 @@
-"""A step's arguments as both planners read them: abstract leaves, their key names, and which
-arguments hold the batch."""
+"""A step's arguments as both planners read them: abstract leaves, their key names, which
+arguments hold the batch, and the devices asked for."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ def abstract_leaf(x) -> jax.ShapeDtypeStruct:
     if type(x) is jax.ShapeDtypeStruct and x.sharding is None and not x.weak_type:
         return x  # (already bare: a deep model has ~10^4 leaves)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else np.result_type(x))
+
+
+def device_count(devices) -> int:
+    """`devices` (a count or a list of devices) as a count, at least 1."""
+    n = devices if isinstance(devices, int) else len(devices)
+    if n < 1:
+        raise PlanInputError(f"devices must be at least 1, got {n}")
+    return n
 
 
 def key_name(key) -> str:

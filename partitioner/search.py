@@ -33,6 +33,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import exact
+from .arguments import device_count
 from .cost import compute_floor, estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
@@ -82,9 +83,7 @@ def plan(
         >>> p = plan(train_step, state, batch, devices=8, hardware="h100")
         >>> p.mesh, p.notes[0]
     """
-    n = devices if isinstance(devices, int) else len(devices)
-    if n < 1:
-        raise PlanInputError(f"devices must be at least 1, got {n}")
+    n = device_count(devices)
     return search(
         fn,
         *args,
@@ -137,9 +136,7 @@ class StepPlanner:
 
     def plan(self, devices, **options) -> Plan:
         """`plan(fn, *args, devices=devices, **options)`, from the step as first read."""
-        n = devices if isinstance(devices, int) else len(devices)
-        if n < 1:
-            raise PlanInputError(f"devices must be at least 1, got {n}")
+        n = device_count(devices)
         how = sorted({"batch_argnums", "shallow_trace"} & set(options))
         if how:
             raise PlanInputError(f"{how} say how the step is read: give them to StepPlanner(...), which reads it once")

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from .arguments import abstract_leaf
+from .arguments import abstract_leaf, device_count
 from .arguments import batch_argnums as batch_argnums_of
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, latency_steps, profile
@@ -52,9 +52,7 @@ def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch
         ({'data': 6}, ())
     """
     start = time.perf_counter()
-    n = devices if isinstance(devices, int) else len(devices)
-    if n < 1:
-        raise PlanInputError(f"devices must be at least 1, got {n}")
+    n = device_count(devices)
     hw = profile(hardware)
     limit = int(memory_limit or hw.memory_bytes)
     abstract = tuple(jax.tree.map(abstract_leaf, a) for a in args)
