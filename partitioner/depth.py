@@ -141,12 +141,12 @@ class Shallow:
     steps: tuple = ()
 
 
-def shallow(fn, abstract: tuple) -> Shallow | None:
+def shallow(fn, abstract: tuple, named: Sequence[tuple] | None = None) -> Shallow | None:
     """`fn(*abstract)` planned from two shallow traces, or None where its arguments hold no stack
     deep enough or the step does not follow them (`depth` module docstring). Layers that alternate
     fold differently at odd and even depths; they are traced to whole patterns (`PAIRS`), the
-    deeper trace of one kind of layer kept for them."""
-    found = stacks(abstract)
+    deeper trace of one kind of layer kept for them. `named`: `stacks.named_leaves(abstract)`."""
+    found = stacks(abstract, named=named)
     depths = {s.depth for s in found}
     if len(depths) != 1:
         return None  # no stack, or stacks of different depths (the line would not be one)

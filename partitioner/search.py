@@ -584,18 +584,25 @@ def _carried(out_specs, out_shape, in_specs: tuple, args) -> object:
     for i, (out, spec) in enumerate(zip(out_shape, specs)):
         if i >= len(args):
             break
-        given = {
-            key_names(p): (x.shape, s)
-            for (p, x), s in zip(_leaves(args[i]), jax.tree.leaves(in_specs[i], is_leaf=_is_spec))
-        }
-        paths = [key_names(p) for p, _ in _leaves(out)]
-        shapes = [getattr(x, "shape", None) for _, x in _leaves(out)]
+        theirs = jax.tree.leaves(in_specs[i], is_leaf=_is_spec)
         mine = jax.tree.leaves(spec, is_leaf=_is_spec)
-        kept = [given[k][1] if k in given and given[k][0] == shape else s for k, shape, s in zip(paths, shapes, mine)]
+        if jax.tree.structure(out) == jax.tree.structure(args[i]):  # the same paths, leaf for leaf
+            pairs = zip(jax.tree.leaves(args[i]), theirs, jax.tree.leaves(out), mine)
+            kept = [t if x.shape == getattr(y, "shape", None) else s for x, t, y, s in pairs]
+        else:
+            kept = _carried_by_path(out, mine, args[i], theirs)
         specs[i] = jax.tree.unflatten(jax.tree.structure(spec, is_leaf=_is_spec), kept)
     if hasattr(out_specs, "_fields"):  # a NamedTuple of outputs keeps its type (and its key paths)
         return type(out_specs)(*specs)
     return type(out_specs)(specs)
+
+
+def _carried_by_path(out, mine: list, arg, theirs: list) -> list:
+    """Per leaf of `out`, the spec of the leaf of `arg` at its path and shape, else its own."""
+    given = {key_names(p): (x.shape, t) for (p, x), t in zip(_leaves(arg), theirs)}
+    found = [given.get(key_names(p)) for p, _ in _leaves(out)]
+    shapes = [getattr(x, "shape", None) for _, x in _leaves(out)]
+    return [g[1] if g is not None and g[0] == shape else s for g, shape, s in zip(found, shapes, mine)]
 
 
 def _leaves(tree) -> list:

@@ -30,12 +30,13 @@ class Stack:
     depth: int
 
 
-def stacks(tree, min_depth: int = MIN_DEPTH) -> list[Stack]:
+def stacks(tree, min_depth: int = MIN_DEPTH, named: Sequence[tuple] | None = None) -> list[Stack]:
     """The outermost stacks of identically shaped members in `tree` (a pytree of arrays or
-    ShapeDtypeStructs), at least `min_depth` deep."""
+    ShapeDtypeStructs), at least `min_depth` deep. `named`: `named_leaves(tree)`, where the
+    caller has it."""
     members: dict[tuple, dict[int, list]] = {}
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names, kind = key_names(keys), None
+    for keys, names, leaf in named if named is not None else named_leaves(tree):
+        kind = None
         for j, k in enumerate(keys):
             slot = _slot(k)
             if slot is not None:
@@ -79,12 +80,13 @@ def _index(s: Stack, name: str) -> int | None:
     return int(m.group(2)) if m and m.group(1) == s.prefix else None
 
 
-def resized(tree, found: Sequence[Stack], depth: int):
+def resized(tree, found: Sequence[Stack], depth: int, period: int = 1):
     """`tree` with every stack in `found` cut to its first `depth` members, or grown to `depth`
-    by repeating its last. None where a stack's container is of a kind this cannot rebuild (only
-    lists, tuples and dicts are)."""
+    by repeating its last whole pattern of `period` members (its last member, for a stack of one
+    kind). None where a stack's container is of a kind this cannot rebuild (only lists, tuples
+    and dicts are)."""
     try:
-        return _resized(tree, found, depth, ())
+        return _resized(tree, found, depth, (), period)
     except _Unbuildable:
         return None
 
@@ -93,33 +95,36 @@ class _Unbuildable(Exception):
     pass
 
 
-def _resized(tree, found: Sequence[Stack], depth: int, path: tuple[str, ...]):
+def _resized(tree, found: Sequence[Stack], depth: int, path: tuple[str, ...], period: int = 1):
     here = [s for s in found if s.path == path]
     if here:
-        return _resized_container(tree, here[0], found, depth, path)
+        return _resized_container(tree, here[0], found, depth, path, period)
+    if not any(s.path[: len(path)] == path for s in found):
+        return tree  # no stack below: kept as it is (a deep model's members are most of its nodes)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda y: y is not tree)
     if len(flat) == 1 and flat[0][0] == ():
         return tree  # a leaf
-    children = [_resized(child, found, depth, path + (key_name(keys[0]),)) for keys, child in flat]
+    children = [_resized(child, found, depth, path + (key_name(keys[0]),), period) for keys, child in flat]
     return jax.tree_util.tree_unflatten(treedef, children)
 
 
-def _resized_container(tree, s: Stack, found, depth: int, path):
+def _resized_container(tree, s: Stack, found, depth: int, path, period: int = 1):
+    n = len(tree)
     if s.prefix is None and type(tree) in (list, tuple):
-        items = list(tree[:depth]) + [tree[-1]] * max(0, depth - len(tree))
-        return type(tree)(_resized(c, found, depth, path + (str(i),)) for i, c in enumerate(items))
+        items = list(tree[:depth]) + [tree[n - period + i % period] for i in range(n, depth)]
+        return type(tree)(_resized(c, found, depth, path + (str(i),), period) for i, c in enumerate(items))
     if s.prefix is None or not isinstance(tree, Mapping):
         raise _Unbuildable(path)
     members = {_index(s, str(k)): k for k in tree if _index(s, str(k)) is not None}
-    last = members[max(members)]
-    name = (lambda i: i) if isinstance(last, int) else (lambda i: f"{s.prefix}{i}")
+    n = len(members)
+    name = (lambda i: i) if isinstance(members[max(members)], int) else (lambda i: f"{s.prefix}{i}")
     out = {
-        k: _resized(child, found, depth, path + (str(k),))
+        k: _resized(child, found, depth, path + (str(k),), period)
         for k, child in tree.items()
         if _index(s, str(k)) is None or _index(s, str(k)) < depth
     }
-    for i in range(len(members), depth):
-        out[name(i)] = _resized(tree[last], found, depth, path + (str(name(i)),))
+    for i in range(n, depth):
+        out[name(i)] = _resized(tree[members[n - period + i % period]], found, depth, path + (str(name(i)),), period)
     if type(tree) is dict:
         return out
     try:  # a mapping pytree (Flax NNX's State) built from a dict
@@ -183,7 +188,26 @@ def _map_nodes(tree, fn):
 def source_leaves(full, shallow, found: Sequence[Stack], depth: int, period: int = 1) -> list[int] | None:
     """Per leaf of `full`, the index of the leaf of `shallow` (the same tree with its stacks
     `depth` deep) that stands for it: a member beyond the shallow ones is the member at its place
-    in the last whole pattern of `period` layers (the last member, for a stack of one kind)."""
+    in the last whole pattern of `period` layers (the last member, for a stack of one kind).
+    Found by growing `shallow` with its leaves' indices for leaves (`resized`): where that has
+    `full`'s structure, its leaves are the answer, read at C speed (a deep model has ~10^4);
+    else by key names."""
+    leaves, treedef = jax.tree_util.tree_flatten(shallow)
+    full_depths = {s.depth for s in found}
+    if len(full_depths) == 1:
+        try:
+            grown = resized(jax.tree_util.tree_unflatten(treedef, range(len(leaves))), found, *full_depths, period)
+        except Exception:  # a node that will not hold integers for leaves
+            grown = None
+        if grown is not None:
+            got, got_def = jax.tree_util.tree_flatten(grown)
+            if got_def == jax.tree_util.tree_structure(full):
+                return got
+    return _sources_by_name(full, shallow, found, depth, period)
+
+
+def _sources_by_name(full, shallow, found: Sequence[Stack], depth: int, period: int) -> list[int] | None:
+    """`source_leaves`, each leaf of `full` renamed to its stand-in and looked up in `shallow`."""
     index = {key_names(keys): i for i, (keys, _) in enumerate(jax.tree_util.tree_flatten_with_path(shallow)[0])}
     renamed: dict[tuple[int, str], str | None] = {}  # (stack, member's name) -> its stand-in's, None: itself
 
@@ -225,6 +249,12 @@ def layer_groups(names: Sequence[tuple[str, ...]], found: Sequence[Stack], perio
 
 def key_names(keys) -> tuple[str, ...]:
     return tuple(map(_name, keys))
+
+
+def named_leaves(tree) -> list[tuple[tuple, tuple[str, ...], object]]:
+    """(key path, key names, leaf) per leaf of `tree`, in flatten order: flattened once for every
+    walk over a deep model's ~10^4 leaves that reads them."""
+    return [(keys, key_names(keys), leaf) for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 _name = functools.lru_cache(maxsize=1 << 16)(key_name)  # (a deep model's ~10^4 leaves share a few hundred keys)

@@ -52,7 +52,7 @@ from .hardware import Hardware
 from .ir import FactorKind, Graph, Op
 from .plan import Cost, mesh_text
 from .propagate import Propagation, Sharding, Spreading, propagate
-from .stacks import key_names
+from .stacks import named_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +92,19 @@ class Inputs:
         order it looks (built once: a deep model has ~10^4 leaves and every candidate mirrors):
         for each tail of its path, longest first, the leaves with that shape and that path below
         their container, the last first."""
-        shape = lambda v: self.graph.values[v].shape
+        values = self.graph.values
         below: dict[tuple, list[int]] = {}
         for v, keys in zip(self.ids, self.keys):
-            below.setdefault((shape(v), keys[1:]), []).append(v)
+            below.setdefault((values[v].shape, keys[1:]), []).append(v)
         out: dict[int, dict[int, None]] = {}  # a folded value stands for a leaf of every layer
         for v, keys, a in zip(self.ids, self.keys, self.argnum):
             if a in self.batch_argnums:
                 continue
-            tails = ((shape(v), keys[-n:]) for n in range(len(keys), 0, -1))
-            out.setdefault(v, {}).update((s, None) for t in tails for s in reversed(below.get(t, ())))
+            shape, found = values[v].shape, out.setdefault(v, {})
+            for n in range(len(keys), 0, -1):
+                hit = below.get((shape, keys[-n:]))
+                if hit:
+                    found.update(dict.fromkeys(reversed(hit)))
         return [(v, tuple(found)) for v, found in out.items() if found]
 
     @functools.cached_property
@@ -175,12 +178,10 @@ def read_inputs(fn, args, batch_argnums, shallow_trace: bool = True) -> Inputs:
     trace of the whole step."""
     t0 = time.perf_counter()
     abstract = tuple(jax.tree.map(abstract_leaf, a) for a in args)
-    argnum, keys = [], []
-    for i, a in enumerate(abstract):
-        for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
-            argnum.append(i)
-            keys.append(key_names(p))
-    found = depth.shallow(fn, abstract) if shallow_trace else None
+    named = named_leaves(abstract)  # each path starts with the argument's index
+    argnum = [path[0].idx for path, _, _ in named]
+    keys = [names[1:] for _, names, _ in named]
+    found = depth.shallow(fn, abstract, named) if shallow_trace else None
     steps = found.steps if found is not None else ()
     if found is not None:
         folded, traced, out_shape = found.fold, found.abstract, found.out_shape

@@ -97,7 +97,7 @@ def _priced_both_ways(name, monkeypatch, layers=10, traced=(3, 4)) -> list[tuple
     shallow = read_inputs(fn, args, None)
     assert isinstance(shallow.fold, depth.Deepened), "the step should have been planned from shallow traces"
     assert shallow.fold.depths == (*traced, layers)
-    monkeypatch.setattr(depth, "shallow", lambda fn, abstract: None)
+    monkeypatch.setattr(depth, "shallow", lambda *_: None)
     whole = read_inputs(fn, args, None)
     assert shallow.fold.original_ops == whole.fold.original_ops
     return [
