@@ -65,6 +65,21 @@ def test_resized_cuts_and_grows_and_maps_leaves_back():
                 assert names[s] == f.replace(deep, stand_in)
 
 
+def test_stand_ins_read_from_the_grown_tree_are_those_found_by_name(monkeypatch):
+    plain = {"decoder": {f"layers_{i}": layer() for i in range(10)} | {"norm": S((16,), jnp.float32)}, "h": [1.0] * 10}
+    padded = {"decoder": {f"layers_{i:02d}": layer() for i in range(10)}, "h": [1.0] * 10}  # grows to other names
+    by_name = stacks._sources_by_name
+    for tree, grows_alike in ((plain, True), (padded, False)):
+        found = stacks.stacks((tree,))
+        cut = stacks.resized((tree,), found, 4)
+        for period in (1, 2):
+            expected = by_name((tree,), cut, found, 4, period)
+            if grows_alike:  # read from the grown tree, not by name
+                monkeypatch.setattr(stacks, "_sources_by_name", lambda *_: pytest.fail("looked up by name"))
+            assert stacks.source_leaves((tree,), cut, found, 4, period) == expected
+            monkeypatch.setattr(stacks, "_sources_by_name", by_name)
+
+
 def test_layer_groups_join_one_leaf_of_every_layer_at_its_place_in_the_pattern():
     tree = {"decoder": {f"layers_{i}": layer() for i in range(9)} | {"norm": S((16,), jnp.float32)}}
     found = stacks.stacks((tree,))
