@@ -108,6 +108,16 @@ class Inputs:
         return [(v, tuple(found)) for v, found in out.items() if found]
 
     @functools.cached_property
+    def batch_values(self) -> list[int]:
+        """The batch's leaves' values, each once, in leaf order (found once: every candidate asks)."""
+        return list(dict.fromkeys(v for v, a in zip(self.ids, self.argnum) if a in self.batch_argnums))
+
+    @functools.cached_property
+    def state_values(self) -> list[int]:
+        """The other leaves' values (parameters, optimizer state), each once, in leaf order."""
+        return list(dict.fromkeys(v for v, a in zip(self.ids, self.argnum) if a not in self.batch_argnums))
+
+    @functools.cached_property
     def weights(self) -> list:
         """`weights_in_order`, found once: every tactic on every mesh, the refinement and the exact
         level ask for them."""
@@ -302,9 +312,9 @@ def divisors(n: int) -> list[int]:
 
 def batch_shardings(inputs: Inputs, mesh: Mapping[str, int]) -> dict[int, Sharding]:
     g, out = inputs.graph, {}
-    for v, a in zip(inputs.ids, inputs.argnum):
+    for v in inputs.batch_values:
         shape = g.values[v].shape
-        if a in inputs.batch_argnums and shape:
+        if shape:
             split = [tuple(a for a in ("replica", "data", "expert") if mesh.get(a, 1) > 1)] + [()] * (len(shape) - 1)
             if mesh["seq"] > 1 and len(shape) >= 2:
                 split[1] = ("seq",)
@@ -314,7 +324,7 @@ def batch_shardings(inputs: Inputs, mesh: Mapping[str, int]) -> dict[int, Shardi
 
 
 def state_values(inputs: Inputs) -> list[int]:
-    return list(dict.fromkeys(v for v, a in zip(inputs.ids, inputs.argnum) if a not in inputs.batch_argnums))
+    return list(inputs.state_values)
 
 
 def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candidate]:
