@@ -116,15 +116,16 @@ def _resized_container(tree, s: Stack, found, depth: int, path, period: int = 1)
     if s.prefix is None or not isinstance(tree, Mapping):
         raise _Unbuildable(path)
     members = {_index(s, str(k)): k for k in tree if _index(s, str(k)) is not None}
-    n = len(members)
-    name = (lambda i: i) if isinstance(members[max(members)], int) else (lambda i: f"{s.prefix}{i}")
+    order, n = sorted(members), len(members)
+    name = (lambda i: i) if isinstance(members[order[-1]], int) else (lambda i: f"{s.prefix}{i}")
     out = {
         k: _resized(child, found, depth, path + (str(k),), period)
         for k, child in tree.items()
         if _index(s, str(k)) is None or _index(s, str(k)) < depth
     }
     for i in range(n, depth):
-        out[name(i)] = _resized(tree[members[n - period + i % period]], found, depth, path + (str(name(i)),), period)
+        stand_in = tree[members[order[n - period + i % period]]]
+        out[name(i)] = _resized(stand_in, found, depth, path + (str(name(i)),), period)
     if type(tree) is dict:
         return out
     try:  # a mapping pytree (Flax NNX's State) built from a dict
