@@ -370,7 +370,8 @@ def _occurrences(graph: Graph, f: Fold, key: np.ndarray) -> dict[tuple[int, int]
 
 def _deep_outputs(out1, out2, values2: Sequence[int], pair: tuple[int, int], period: int, depth: int):
     """(value per output leaf, output tree) of the depth-L step: the deeper trace's outputs with
-    each stack that grew from one trace to the other (at the depths in `pair`) grown to `depth`."""
+    each stack that grew from one trace to the other (at the depths in `pair`) grown to `depth`
+    by whole patterns of `period` layers, as `source_leaves` maps the grown leaves back."""
     a, b = pair
     shallower = stacks(out1, min_depth=a)
     grown = [
@@ -378,7 +379,7 @@ def _deep_outputs(out1, out2, values2: Sequence[int], pair: tuple[int, int], per
         for s in stacks(out2, min_depth=b)
         if s.depth == b and dataclasses.replace(s, depth=a) in shallower
     ]
-    tree = resized(out2, grown, depth) if grown else out2
+    tree = resized(out2, grown, depth, period) if grown else out2
     if tree is None:
         return None
     sources = source_leaves(tree, out2, grown, b, period)
