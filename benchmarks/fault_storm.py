@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -230,6 +231,10 @@ def _run_leg(job: str, ckpt: str, store: str, leg: Leg, disk, log, output: str) 
         proc.wait()
     finally:
         timer.cancel()
+        if proc.poll() is None:  # the storm failed mid-leg: its run must not outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            kill_orphans(sessions)
         if filled:
             disk.free()
         with open(output, "w") as f:
@@ -267,13 +272,17 @@ class _Tmpfs:
     def fill(self) -> bool:
         if not self.mounted:
             return False
-        with open(self.filler, "wb") as f:  # until the disk refuses: every later write fails
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError:
+        # Unbuffered: a buffered file keeps the tail of a short write and raises ENOSPC again
+        # when it is closed.
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while os.write(fd, b"\0" * (1 << 20)):  # until the disk refuses: every later write fails
                 pass
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+        finally:
+            os.close(fd)
         return True
 
     def free(self) -> None:
@@ -281,12 +290,16 @@ class _Tmpfs:
             os.remove(self.filler)
 
     def close(self) -> None:
-        if self.mounted:  # keep what was committed: copy it off the tmpfs before it goes
-            keep = tempfile.mkdtemp(prefix="remesh-storm-ckpt-")
+        if not self.mounted:
+            return
+        self.free()
+        keep = tempfile.mkdtemp(prefix="remesh-storm-ckpt-")
+        try:  # keep what was committed: copy it off the tmpfs before it goes
             shutil.copytree(self.path, keep, dirs_exist_ok=True)
+        finally:
             subprocess.run(["umount", self.path], check=False)
-            shutil.copytree(keep, self.path, dirs_exist_ok=True)
-            shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(keep, self.path, dirs_exist_ok=True)
+        shutil.rmtree(keep, ignore_errors=True)
 
 
 def _steps(ckpt: str) -> list[int]:
