@@ -29,11 +29,38 @@ import numpy as np
 from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import Graph
-from .plan import Cost
 from .propagate import Propagation
 
 if TYPE_CHECKING:
     from .fold import Fold
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Predicted seconds per call, split into compute and communication, and peak bytes per device."""
+
+    compute_seconds: float
+    communication_seconds: float
+    collective_bytes: Mapping[str, int]  # collective kind -> bytes moved per device per call
+    peak_bytes_per_device: int
+    # The same plan's peak as XLA:CPU lays it out (`Hardware.copies_transposed_lhs`): what
+    # `verify` compares when it compiles on fake CPU devices.
+    cpu_peak_bytes_per_device: int | None = None
+    # The FLOPs alone, without the time ops spend moving bytes through memory: with the
+    # collectives, what a compiled program shows of a plan (`verify`).
+    flop_seconds: float | None = None
+    # Bytes each device sends per call over each network level ("host", "slice", "dcn"), where
+    # the plan is on slices: a collective whose group spans slices is priced level by level.
+    level_bytes: Mapping[str, int] | None = None
+
+    @property
+    def total_seconds(self) -> float:
+        return self.compute_seconds + self.communication_seconds
+
+    @property
+    def compiled_view_seconds(self) -> float:
+        """FLOPs and collectives: the part of the prediction a compile of the plan can check."""
+        return (self.compute_seconds if self.flop_seconds is None else self.flop_seconds) + self.communication_seconds
 
 
 def estimate(

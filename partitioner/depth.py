@@ -32,14 +32,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from . import memory
 from .capture import capture
-from .fold import Fold, fold
+from .fold import Deepened, Fold, along_depths, fold
 from .ir import CaptureError, Graph
 from .stacks import (
     key_names,
@@ -57,72 +57,6 @@ from .stacks import (
 # first of them the deeper trace of one kind of layer (three and four layers fold alike; two and
 # three need not: the runs found in two copies of a layer are not always those found in three).
 PAIRS = ((1, (3, 4)), (2, (4, 6)))
-
-
-@dataclasses.dataclass
-class Deepened:
-    """The fold of the depth-L step, from the folds of two shallow traces that are the same graph
-    op for op (`deep` the deeper): each op's multiplicity and each peak extended along the line
-    through the two depths. The interface the search prices through (`Fold`'s)."""
-
-    shallow: Fold
-    deep: Fold
-    graph: Graph  # the deeper fold's, its outputs those of the depth-L step
-    mult: list[int]
-    to_shallow: dict[int, int]  # the deeper fold's value ids -> the shallower's
-    unmatched: dict[int, int]  # the shallower fold's values (on scalars) no deeper one maps to -> bytes
-    depths: tuple[int, int, int]  # the two traced, and the step's
-    times: tuple[np.ndarray, np.ndarray]  # times of the two timelines that match (`_matched_times`)
-    original_ops: int
-
-    @property
-    def materialized(self) -> set[int]:
-        return self.deep.materialized
-
-    def of(self, value: int) -> int:
-        return self.deep.of(value)
-
-    def _line(self, at_shallow: float, at_deep: float) -> int:
-        return int(round(_along(at_shallow, at_deep, self.depths)))
-
-    def _mapped(self, device_bytes: Mapping[int, int]) -> dict[int, int]:
-        m = self.to_shallow
-        return {m[v]: n for v, n in device_bytes.items() if v in m} | self.unmatched
-
-    def peak_bytes(self, device_bytes: Mapping[int, int], held=frozenset(), copies: bool = False) -> int:
-        """`Fold.peak_bytes` at the step's depth. The peak itself is not affine in the depth (which
-        time holds the most can move, and how many temporaries fit in result buffers not yet
-        written), but at each time that both shallow timelines have (`_matched_times`: outside the
-        repeated layers, or in the first or last of them) the count of live
-        temporaries of each size is, and so is that of the free result buffers: the heap is
-        extended there, size by size, and its peak taken as `memory.peak` takes it."""
-        fixed_a, profile_a, live_a = self.shallow.heap(
-            self._mapped(device_bytes), {self.to_shallow[v] for v in held if v in self.to_shallow}, copies
-        )
-        fixed_b, profile_b, live_b = self.deep.heap(device_bytes, held, copies)
-        fixed = self._line(fixed_a, fixed_b)
-        if profile_a is None or profile_b is None:
-            return fixed
-        at_a, at_b = self.times
-        profile = _along(profile_a[at_a], profile_b[at_b], self.depths)
-        top = np.argpartition(-profile, min(memory.CANDIDATE_TIMES, len(profile) - 1))[: memory.CANDIDATE_TIMES]
-        heaps = []
-        for i in top:
-            (temps_a, free_a), (temps_b, free_b) = live_a(int(at_a[i])), live_b(int(at_b[i]))
-            heaps.append(memory.heap_bytes(self._counts(temps_a, temps_b), self._counts(free_a, free_b)))
-        return fixed + int(max(heaps))
-
-    def _counts(self, at_shallow: np.ndarray, at_deep: np.ndarray) -> Counter:
-        """Sizes (size -> count) at the step's depth, from the sizes at the two traced depths."""
-        a, b = Counter(at_shallow.astype(np.int64).tolist()), Counter(at_deep.astype(np.int64).tolist())
-        return Counter({size: n for size in a | b if (n := self._line(a[size], b[size])) > 0})
-
-    def remat_peak(self, device_bytes: Mapping[int, int], copies: bool = False) -> tuple[int, int] | None:
-        deep = self.deep.remat_peak(device_bytes, copies)
-        shallow = self.shallow.remat_peak(self._mapped(device_bytes), copies)
-        if deep is None or shallow is None:
-            return None
-        return self._line(shallow[0], deep[0]), self._line(shallow[1], deep[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +179,7 @@ def _traced_pair(traced: _Traced, pair: tuple[int, int], period: int) -> Shallow
     if sources is None or outputs is None:
         return None
     depths = (*pair, depth)
-    line = lambda x1, x2: int(round(_along(x1, x2, depths)))  # noqa: E731
+    line = lambda x1, x2: int(round(along_depths(x1, x2, depths)))  # noqa: E731
     mult = _deep_mult(f1.graph, f2.graph, f1.mult, f2.mult, of_shallow, line)
     if any(m < 0 for m in mult):
         return None
@@ -253,13 +187,6 @@ def _traced_pair(traced: _Traced, pair: tuple[int, int], period: int) -> Shallow
     unmatched = _unmatched_scalars(f1.graph, of_shallow)
     deep = Deepened(f1, f2, graph, mult, to_shallow, unmatched, depths, times, line(f1.original_ops, f2.original_ops))
     return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, traced.fold_seconds, tuple(steps))
-
-
-def _along(at_a, at_b, depths: tuple[int, int, int]):
-    """A quantity at the step's depth, from its values at the two traced depths (numbers or arrays):
-    the line through them."""
-    a, b, depth = depths
-    return at_b + (depth - b) * (at_b - at_a) / (b - a)
 
 
 def _same_graph(g1: Graph, g2: Graph) -> tuple[dict[int, int], list[int | None]] | None:

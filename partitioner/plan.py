@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .cost import Cost
+
 FORMAT = "remesh.plan/2"  # /2: leaves keyed by slash path (`opt/0/mu/wte`), as checkpoints name them
 LEGACY_FORMATS = ("remesh.plan/1",)  # /1: keyed by jax.tree_util.keystr (`['opt'][0]['mu']['wte']`)
 
@@ -28,34 +30,6 @@ def leaf_key(keypath) -> str:
 def mesh_text(mesh: Mapping[str, int], every: bool = False) -> str:
     """`data=4 x model=2`: a mesh's axes and their sizes, those of size 1 only where `every`."""
     return " x ".join(f"{k}={v}" for k, v in mesh.items() if every or v > 1) or "data=1"
-
-
-@dataclasses.dataclass(frozen=True)
-class Cost:
-    """Predicted seconds per call, split into compute and communication, and peak bytes per device."""
-
-    compute_seconds: float
-    communication_seconds: float
-    collective_bytes: Mapping[str, int]  # collective kind -> bytes moved per device per call
-    peak_bytes_per_device: int
-    # The same plan's peak as XLA:CPU lays it out (`Hardware.copies_transposed_lhs`): what
-    # `verify` compares when it compiles on fake CPU devices.
-    cpu_peak_bytes_per_device: int | None = None
-    # The FLOPs alone, without the time ops spend moving bytes through memory: with the
-    # collectives, what a compiled program shows of a plan (`verify`).
-    flop_seconds: float | None = None
-    # Bytes each device sends per call over each network level ("host", "slice", "dcn"), where
-    # the plan is on slices: a collective whose group spans slices is priced level by level.
-    level_bytes: Mapping[str, int] | None = None
-
-    @property
-    def total_seconds(self) -> float:
-        return self.compute_seconds + self.communication_seconds
-
-    @property
-    def compiled_view_seconds(self) -> float:
-        """FLOPs and collectives: the part of the prediction a compile of the plan can check."""
-        return (self.compute_seconds if self.flop_seconds is None else self.flop_seconds) + self.communication_seconds
 
 
 class PlanMismatchError(ValueError):

@@ -24,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from .arguments import abstract_leaf, device_count
 from .arguments import batch_argnums as batch_argnums_of
+from .cost import Cost
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, latency_steps, profile
-from .plan import Cost, Plan
+from .plan import Plan
 from .verify import analysed_flops
 
 
