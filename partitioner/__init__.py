@@ -12,7 +12,9 @@ at once.
 
 Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, factors from
 `rules`), `replay` and `repeats` (repeated layers), `fold` (one copy of each), `propagate`,
-`cost` and `memory` (pricing), `tactics` and `exact` (candidates), `search`, `plan`, `verify`.
+`cost` and `memory` (pricing; `pricing` prices candidates two at a time, one of them in a
+helper process on a second core), `tactics` and `exact` (candidates), `search`, `plan`, `verify`.
+A search starts the helper; `REMESH_PRICING_HELPER=0` in the environment keeps it from starting.
 """
 
 from .errors import PlanInputError, PlanMemoryError

@@ -39,6 +39,7 @@ from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
 from .plan import Plan, _is_spec, mesh_text
+from .pricing import Pricer, start_helper
 from .propagate import Sharding
 from .stacks import key_names
 from .tactics import (
@@ -47,9 +48,10 @@ from .tactics import (
     Inputs,
     fast_mesh,
     mesh_shapes,
+    priced_each,
     read_inputs,
     refined,
-    tactic_candidates,
+    tactic_plans,
 )
 
 LEVELS = ("fast", "thorough")
@@ -143,6 +145,7 @@ class StepPlanner:
         with self._lock:
             first = self._inputs is None
             if first:
+                start_helper()
                 self._inputs = _without_gc(self._read)
         return search(self.fn, *self.args, devices=n, inputs=self._inputs, reused=not first, **options)[0]
 
@@ -171,6 +174,7 @@ def _search(
         >>> print("\\n".join(c.line() for c in ranked[:3]))
     """
     t0 = time.perf_counter()
+    start_helper()  # its imports overlap the tracing
     if level not in LEVELS:
         raise PlanInputError(f"level must be one of {LEVELS}, got {level!r}")
     hw = profile(hardware).sliced(devices, _slices(devices, slices))
@@ -180,6 +184,7 @@ def _search(
     elif not reused:
         t0 -= sum(inputs.seconds)  # read just before, for this plan: its time is this plan's
     t1 = time.perf_counter()
+    Pricer(inputs.fold, hw).share()
     meshes = mesh_shapes(devices, inputs, hw, level)
     unknown = set(tactics or ()) - set(TACTICS)
     if unknown:
@@ -255,12 +260,13 @@ def _tactic_candidates(inputs: Inputs, meshes, hw: Hardware, limit: int, tactics
                 f"more than the best plan that fits on more ({best * 1e3:.3g} ms)"
             )
             continue
-        candidates += [
-            c
+        plans = [
+            p
             for mesh in groups[count]
-            for c in tactic_candidates(inputs, mesh, hw)
-            if tactics is None or c.tactic.split("+sequence")[0] in tactics
+            for p in tactic_plans(inputs, mesh)
+            if tactics is None or p[0].split("+sequence")[0] in tactics
         ]
+        candidates += priced_each(inputs, plans, hw)
     return candidates, floored
 
 

@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -45,12 +45,13 @@ from . import depth
 from .arguments import abstract_leaf
 from .arguments import batch_argnums as batch_argnums_of
 from .capture import capture
-from .cost import estimate
+from .cost import Cost
 from .errors import PlanInputError
 from .fold import Fold, fold
 from .hardware import Hardware
 from .ir import FactorKind, Graph, Op
-from .plan import Cost, mesh_text
+from .plan import mesh_text
+from .pricing import Job, Pricer
 from .propagate import Propagation, Sharding, Spreading, propagate
 from .stacks import named_leaves
 
@@ -61,7 +62,12 @@ class Candidate:
     mesh: Mapping[str, int]
     annotations: Mapping[int, Sharding]
     cost: Cost
-    propagation: Propagation = dataclasses.field(repr=False, compare=False)
+    # Its propagation, or how to find it again where the pricing helper priced it (`pricing`).
+    spread: Propagation | Callable[[], Propagation] = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def propagation(self) -> Propagation:
+        return self.spread() if callable(self.spread) else self.spread
 
     def line(self) -> str:
         mesh = mesh_text(self.mesh, every=True)
@@ -328,13 +334,18 @@ def state_values(inputs: Inputs) -> list[int]:
 
 
 def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> list[Candidate]:
+    return priced_each(inputs, tactic_plans(inputs, mesh), hw)
+
+
+def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[tuple[str, dict, dict, dict]]:
+    """Each tactic's annotations on `mesh`, to price: (name, mesh, annotations, batch)."""
     g = inputs.graph
     batch = batch_shardings(inputs, mesh)
     state = state_values(inputs)
     plans = {}
     if mesh.get("expert", 1) > 1:  # experts across slices, and nothing else on the expert axis
         ep = _experts(inputs, mesh, "expert")
-        return [priced(inputs, "expert", mesh, {**batch, **ep}, hw, batch)] if ep else []
+        return [("expert", mesh, {**batch, **ep}, batch)] if ep else []
     if mesh["model"] == 1:  # a model axis no weight uses would only repeat the same work
         plans["dp"] = dict(batch)
         if mesh["data"] > 1:
@@ -353,12 +364,12 @@ def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> lis
                 plans["expert+megatron+fsdp"] = {**batch, **add_fsdp(g, em, state, mesh["data"])}
     if mesh.get("replica", 1) > 1:  # without FSDP, replica x data is the data axis of their product
         plans = {k: v for k, v in plans.items() if "fsdp" in k}
-    out = []
-    for name, chosen_specs in plans.items():
-        if mesh["model"] > 1 and not any("model" in axes for sh in chosen_specs.values() for axes in sh):
-            continue  # the tactic found nothing to split: the model axis would only repeat work
-        out.append(priced(inputs, name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen_specs, hw, batch))
-    return out
+    return [
+        (name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen, batch)
+        for name, chosen in plans.items()
+        # A tactic that found nothing to split: the model axis would only repeat work.
+        if mesh["model"] == 1 or any("model" in axes for sh in chosen.values() for axes in sh)
+    ]
 
 
 def priced(
@@ -372,10 +383,21 @@ def priced(
 ) -> Candidate | None:
     """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
     batch first, and priced; None where it takes `beyond` seconds or more (`estimate`)."""
-    annotations = _mirror_optimizer_state(inputs, annotations)
-    prop = propagate(inputs.graph, annotations, mesh, first=batch)
-    cost = estimate(prop, hw, inputs.fold, beyond=beyond)
-    return None if cost is None else Candidate(name, dict(mesh), annotations, cost, prop)
+    return next(_each(inputs, [(name, mesh, annotations, batch)], hw, beyond))
+
+
+def priced_each(inputs: Inputs, plans, hw: Hardware, beyond: float = math.inf) -> list[Candidate | None]:
+    """`priced` for each of `plans` ((name, mesh, annotations, batch)), two at a time (`pricing`)."""
+    return list(_each(inputs, plans, hw, beyond, whole=True))
+
+
+def _each(inputs: Inputs, plans, hw: Hardware, beyond: float = math.inf, whole: bool = False):
+    """`priced` for each of `plans`, lazily and in order: unless `whole`, a reader may stop at any one."""
+    plans = [(name, dict(mesh), _mirror_optimizer_state(inputs, ann), batch) for name, mesh, ann, batch in plans]
+    jobs = (Job(mesh, ann, tuple(batch), beyond) for _, mesh, ann, batch in plans)
+    for (name, mesh, ann, batch), (cost, prop) in zip(plans, Pricer(inputs.fold, hw).each(jobs, whole)):
+        spread = prop if prop is not None else functools.partial(propagate, inputs.graph, ann, mesh, first=batch)
+        yield None if cost is None else Candidate(name, mesh, ann, cost, spread)
 
 
 def refined(
@@ -435,28 +457,42 @@ def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bo
     def annotated(tp):
         return {**batch, **(add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp)}
 
-    def price(tp, beyond=math.inf):
-        return priced(inputs, name, mesh, annotated(tp), hw, batch, beyond)
-
     # The start read back is most often the start itself, already priced.
     same = _mirror_optimizer_state(inputs, annotated(chosen)) == start.annotations
-    best = dataclasses.replace(start, tactic=name) if same else price(chosen)
-    for w in weights:
-        shape = w.shape(g)
-        for d in [None] + [d for d, n in enumerate(shape) if n % mesh["model"] == 0 and n >= mesh["model"]]:
-            trial = {k: v for k, v in chosen.items() if k != w.value}
-            if d is not None:
-                trial[w.value] = w.sharding(split_over(shape, d, "model"))
-            if trial == chosen:
-                continue
-            c = price(trial, beyond=best.cost.total_seconds)
-            if (
-                c is not None
-                and c.cost.peak_bytes_per_device <= limit
-                and c.cost.total_seconds < best.cost.total_seconds
-            ):
-                best, chosen = c, trial
+    best = dataclasses.replace(start, tactic=name) if same else priced(inputs, name, mesh, annotated(chosen), hw, batch)
+    moves = [
+        (w, d)
+        for w in weights
+        for d in [None] + [d for d, n in enumerate(w.shape(g)) if n % mesh["model"] == 0 and n >= mesh["model"]]
+    ]
+    at = 0
+    while at < len(moves):
+        # The trials from `at` on, each against `chosen`, priced ahead two at a time; once one
+        # is kept, those after it are tried again against the new choice.
+        trials = [(i, t) for i, (w, d) in enumerate(moves) if i >= at and (t := _moved(chosen, w, d, g)) != chosen]
+        plans = [(name, mesh, annotated(t), batch) for _, t in trials]
+        priced_ahead = _each(inputs, plans, hw, beyond=best.cost.total_seconds)
+        try:
+            at = len(moves)
+            for (i, trial), c in zip(trials, priced_ahead):
+                if (
+                    c is not None
+                    and c.cost.peak_bytes_per_device <= limit
+                    and c.cost.total_seconds < best.cost.total_seconds
+                ):
+                    best, chosen, at = c, trial, i + 1
+                    break
+        finally:
+            priced_ahead.close()
     return best
+
+
+def _moved(chosen: Mapping[int, Sharding], w: Weight, d: int | None, g: Graph) -> dict[int, Sharding]:
+    """`chosen` with weight `w` split over model along dimension `d` (None: not split)."""
+    trial = {k: v for k, v in chosen.items() if k != w.value}
+    if d is not None:
+        trial[w.value] = w.sharding(split_over(w.shape(g), d, "model"))
+    return trial
 
 
 def split_over(shape, dim: int, axis: str) -> Sharding:
