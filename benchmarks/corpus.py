@@ -228,17 +228,20 @@ def _deep_planned(root: str, name: str) -> tuple[list[float], str]:
 def digests(devices: int, layers: int, names) -> None:
     import hashlib
 
-    from partitioner import tactics
+    from partitioner import pricing
     from partitioner.search import search
     from tests.corpus import CORPUS, load
 
-    count, propagate = [0], tactics.propagate
+    # Every candidate priced in this process, so that each propagation is counted here (the
+    # helper's prices are the same: tests/partitioner/unit/test_pricing.py).
+    os.environ["REMESH_PRICING_HELPER"] = "0"
+    count, propagate = [0], pricing.propagate
 
     def counted(*args, **kwargs):
         count[0] += 1
         return propagate(*args, **kwargs)
 
-    tactics.propagate = counted
+    pricing.propagate = counted
     print("| model | plan | digest | predicted (ms) | propagations |")
     print("|---|---|---|---|---|")
     for name in names or CORPUS:

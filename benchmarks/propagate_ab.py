@@ -37,20 +37,21 @@ def old_module(rev: str):
 
 
 def main(rev: str, names) -> None:
+    import partitioner.pricing as pricing
     import partitioner.propagate as new
-    import partitioner.tactics as tactics
     from partitioner.search import search
     from tests.corpus import load
 
     old = old_module(rev)
+    os.environ["REMESH_PRICING_HELPER"] = "0"  # every propagation made (and recorded) in this process
     calls = []
-    recorded = tactics.propagate
+    recorded = pricing.propagate
 
     def recording(graph, annotations, mesh, first=()):
         calls.append((graph, annotations, mesh, first))
         return recorded(graph, annotations, mesh, first=first)
 
-    tactics.propagate = recording
+    pricing.propagate = recording
     for name in names or ("llama-maxtext", "t5"):
         calls.clear()
         module, options = load(name)
