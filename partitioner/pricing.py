@@ -228,12 +228,17 @@ def start_helper(always: bool = False) -> None:
     """Starts the helper where a second core is free and none runs: at a search's start, so its
     imports overlap the tracing. REMESH_PRICING_HELPER=0 in the environment turns it off;
     `always` starts one on a single core too (tests)."""
-    off = os.environ.get("REMESH_PRICING_HELPER") == "0" or len(os.sched_getaffinity(0)) < 2
+    off = os.environ.get("REMESH_PRICING_HELPER") == "0" or _cores() < 2
     if _helper() is not None or (off and not always):
         return
     if not _HELPER:
         atexit.register(lambda: _HELPER[0].close())
     _HELPER[:] = [_Helper()]
+
+
+def _cores() -> int:
+    """The cores this process may run on (all of them where the platform cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _helper() -> _Helper | None:
