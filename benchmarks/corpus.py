@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
     .venv/bin/python benchmarks/corpus.py ab96 BASE NAME ...   # 96 layers on 1,024, against BASE
+    .venv/bin/python benchmarks/corpus.py helper NAME ...      # 96 layers on 1,024, pricing helper on and off
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
     .venv/bin/python benchmarks/corpus.py slices8k            # 96 layers on 8,192 tpu-v5p chips in 16 slices
     .venv/bin/python benchmarks/corpus.py slices-experts      # DeepSeek MoE on 4 x 2: experts across slices or not
@@ -31,6 +32,8 @@ specs and mesh, its predicted time and the propagations it took; run in two chec
 compared, it shows a change that should not move plans does not.
 `ab`: `plantime`'s plan on 8 devices in this checkout and in the one at BASE (`git worktree add`),
 alternating in three rounds, each run in a fresh process.
+`helper`: `depth`'s 96-layer search with the pricing helper (`partitioner/pricing.py`) off and
+on, alternating in this process, four rounds, the first of each left out; total and search seconds.
 `ab96`: `depth`'s 96-layer search (1,024 devices, no guard) in this checkout and at BASE, each a
 fresh process doing a warm-up then three runs (median and runs reported), alternating in two
 rounds.
@@ -225,6 +228,35 @@ def _deep_planned(root: str, name: str) -> tuple[list[float], str]:
     return _fresh_process(code, root, name)
 
 
+def helper(names) -> None:
+    from partitioner import pricing
+    from partitioner.search import search
+    from tests.corpus import load
+
+    print("| model | helper | total (s), rounds 2 to 4 | search (s), rounds 2 to 4 |")
+    print("|---|---|---|---|")
+    for name in names:
+        module, options = load(name)
+        runs = {"off": [], "on": []}
+        for _ in range(4):
+            for way in runs:
+                os.environ["REMESH_PRICING_HELPER"] = "1" if way == "on" else "0"
+                if way == "off" and pricing._helper() is not None:
+                    pricing._HELPER[0].close()
+                if way == "on":
+                    pricing.start_helper()
+                    pricing._helper().wait_ready(30.0)
+                fn, args = module.build(layers=96, **options)
+                t = time.perf_counter()
+                p, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+                searched = float(p.notes[-1].split("search ")[1].split(" s")[0])
+                runs[way].append((time.perf_counter() - t, searched))
+        for way, rows in runs.items():
+            total = " ".join(f"{t:.2f}" for t, _ in rows[1:])
+            searched = " ".join(f"{s:.2f}" for _, s in rows[1:])
+            print(f"| {name} | {way} | {total} | {searched} |", flush=True)
+
+
 def digests(devices: int, layers: int, names) -> None:
     import hashlib
 
@@ -352,5 +384,6 @@ if __name__ == "__main__":
             "slices": lambda: sliced(names), "slices8k": slices8k, "slices-experts": slices_experts}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["ab96"] = lambda: ab96(names[0], names[1:])
+    jobs["helper"] = lambda: helper(names)
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()
