@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .cost import Cost, estimate
 from .fold import Fold
@@ -86,7 +86,7 @@ class Pricer:
         the reader reads them all, so the helper starts from the last job and works back (jobs
         on one mesh, next to each other, share their batch's spreading), where a reader that may
         stop has it price the job after the one read next."""
-        jobs = list(jobs)
+        jobs = jobs if isinstance(jobs, Sequence) else list(jobs)  # a sequence may make its jobs when asked
         helper = _helper() if len(jobs) > 1 else None
         if helper is None or not helper.lock.acquire(blocking=False):  # another thread's plan has it
             helper = None

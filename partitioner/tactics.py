@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -393,11 +393,34 @@ def priced_each(inputs: Inputs, plans, hw: Hardware, beyond: float = math.inf) -
 
 def _each(inputs: Inputs, plans, hw: Hardware, beyond: float = math.inf, whole: bool = False):
     """`priced` for each of `plans`, lazily and in order: unless `whole`, a reader may stop at any one."""
-    plans = [(name, dict(mesh), _mirror_optimizer_state(inputs, ann), batch) for name, mesh, ann, batch in plans]
-    jobs = (Job(mesh, ann, tuple(batch), beyond) for _, mesh, ann, batch in plans)
-    for (name, mesh, ann, batch), (cost, prop) in zip(plans, Pricer(inputs.fold, hw).each(jobs, whole)):
-        spread = prop if prop is not None else functools.partial(propagate, inputs.graph, ann, mesh, first=batch)
-        yield None if cost is None else Candidate(name, mesh, ann, cost, spread)
+    jobs = _Jobs(inputs, plans, beyond)
+    for i, (cost, prop) in enumerate(Pricer(inputs.fold, hw).each(jobs, whole)):
+        name, job, batch = jobs.plans[i][0], jobs[i], jobs.plans[i][3]
+        spread = (
+            prop
+            if prop is not None
+            else functools.partial(propagate, inputs.graph, job.annotations, job.mesh, first=batch)
+        )
+        yield None if cost is None else Candidate(name, job.mesh, job.annotations, cost, spread)
+
+
+class _Jobs(Sequence):
+    """`plans` as pricing jobs, each made (its optimizer state mirrored) when first asked for: a
+    refinement that keeps a trial asks again for the trials after it, and prices only some."""
+
+    def __init__(self, inputs: Inputs, plans, beyond: float):
+        self.inputs, self.plans, self.beyond, self._made = inputs, list(plans), beyond, {}
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __getitem__(self, i: int) -> Job:
+        if i not in self._made:
+            _, mesh, annotations, batch = self.plans[i]
+            self._made[i] = Job(
+                dict(mesh), _mirror_optimizer_state(self.inputs, annotations), tuple(batch), self.beyond
+            )
+        return self._made[i]
 
 
 def refined(
