@@ -9,6 +9,7 @@
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
     .venv/bin/python benchmarks/corpus.py ab96 BASE NAME ...   # 96 layers on 1,024, against BASE
     .venv/bin/python benchmarks/corpus.py helper NAME ...      # 96 layers on 1,024, pricing helper on and off
+    .venv/bin/python benchmarks/corpus.py traces NAME ...      # one shallow trace's time against its layers
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
     .venv/bin/python benchmarks/corpus.py slices8k            # 96 layers on 8,192 tpu-v5p chips in 16 slices
     .venv/bin/python benchmarks/corpus.py slices-experts      # DeepSeek MoE on 4 x 2: experts across slices or not
@@ -34,6 +35,11 @@ compared, it shows a change that should not move plans does not.
 alternating in three rounds, each run in a fresh process.
 `helper`: `depth`'s 96-layer search with the pricing helper (`partitioner/pricing.py`) off and
 on, alternating in this process, four rounds, the first of each left out; total and search seconds.
+`traces`: the step cut to 4, 3, 2 and 1 layers of each stack and captured (`depth._Traced.trace`:
+JAX's tracing and the graph built from it), in that order, a fresh build of the step each round,
+three rounds; whether the folds at 3 and 4 layers, and at 2 and 3, are one graph op for op
+(`depth._same_graph`, what a pair of depths needs); then `depth`'s 96-layer search once, with where its time went; and a pure-Python
+loop timed beside them (the VM's speed, which moves by half from one evening to the next).
 `ab96`: `depth`'s 96-layer search (1,024 devices, no guard) in this checkout and at BASE, each a
 fresh process doing a warm-up then three runs (median and runs reported), alternating in two
 rounds.
@@ -257,6 +263,53 @@ def helper(names) -> None:
             print(f"| {name} | {way} | {total} | {searched} |", flush=True)
 
 
+def traces(names) -> None:
+    import jax
+
+    from partitioner.arguments import abstract_leaf
+    from partitioner.depth import _same_graph, _Traced
+    from partitioner.search import search
+    from partitioner.stacks import named_leaves, stacks
+    from tests.corpus import load
+
+    print(
+        "| model | round | 4 layers (s) | 3 (s) | 2 (s) | 1 (s) | folded alike: 3 and 4, 2 and 3 | "
+        "96 layers on 1,024 (s) | where its time went | Python loop (s) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        module, options = load(name)
+        for r in range(3):
+            fn, args = module.build(layers=96, **options)
+            abstract = tuple(jax.tree.map(abstract_leaf, a) for a in args)
+            traced = _Traced(fn, abstract, stacks(abstract, named=named_leaves(abstract)), 96)
+            seconds = []
+            for k in (4, 3, 2, 1):
+                t = time.perf_counter()
+                traced.trace(k)
+                seconds.append(f"{time.perf_counter() - t:.2f}")
+            folds = [traced.fold(k, 1) for k in (2, 3, 4)]
+            alike = [
+                a is not None and b is not None and _same_graph(a.graph, b.graph) is not None
+                for a, b in ((folds[1], folds[2]), (folds[0], folds[1]))
+            ]
+            seconds.append(", ".join("yes" if x else "no" for x in alike))
+            fn, args = module.build(layers=96, **options)
+            t = time.perf_counter()
+            p, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+            whole = time.perf_counter() - t
+            note = p.notes[-1].removeprefix("time: ")
+            print(f"| {name} | {r + 1} | {' | '.join(seconds)} | {whole:.2f} | {note} | {_loop():.2f} |", flush=True)
+
+
+def _loop() -> float:
+    """A fixed pure-Python loop's seconds: how fast the machine runs Python just now."""
+    t, s = time.perf_counter(), 0
+    for i in range(5_000_000):
+        s += i * i
+    return time.perf_counter() - t
+
+
 def digests(devices: int, layers: int, names) -> None:
     import hashlib
 
@@ -385,5 +438,6 @@ if __name__ == "__main__":
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["ab96"] = lambda: ab96(names[0], names[1:])
     jobs["helper"] = lambda: helper(names)
+    jobs["traces"] = lambda: traces(names)
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])
     {**jobs, "large": large}[what]()
