@@ -37,7 +37,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -337,15 +337,25 @@ def tactic_candidates(inputs: Inputs, mesh: dict[str, int], hw: Hardware) -> lis
     return priced_each(inputs, tactic_plans(inputs, mesh), hw)
 
 
-def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[tuple[str, dict, dict, dict]]:
-    """Each tactic's annotations on `mesh`, to price: (name, mesh, annotations, batch)."""
+class TacticPlan(NamedTuple):
+    """One tactic's annotations on one mesh, to price: `annotations` hold the batch's, which
+    `batch` names again so that they spread first."""
+
+    name: str
+    mesh: Mapping[str, int]
+    annotations: Mapping[int, Sharding]
+    batch: Mapping[int, Sharding]
+
+
+def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[TacticPlan]:
+    """Each tactic's annotations on `mesh`, to price."""
     g = inputs.graph
     batch = batch_shardings(inputs, mesh)
     state = state_values(inputs)
     plans = {}
     if mesh.get("expert", 1) > 1:  # experts across slices, and nothing else on the expert axis
         ep = _experts(inputs, mesh, "expert")
-        return [("expert", mesh, {**batch, **ep}, batch)] if ep else []
+        return [TacticPlan("expert", mesh, {**batch, **ep}, batch)] if ep else []
     if mesh["model"] == 1:  # a model axis no weight uses would only repeat the same work
         plans["dp"] = dict(batch)
         if mesh["data"] > 1:
@@ -365,7 +375,7 @@ def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[tuple[str, dict, 
     if mesh.get("replica", 1) > 1:  # without FSDP, replica x data is the data axis of their product
         plans = {k: v for k, v in plans.items() if "fsdp" in k}
     return [
-        (name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen, batch)
+        TacticPlan(name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen, batch)
         for name, chosen in plans.items()
         # A tactic that found nothing to split: the model axis would only repeat work.
         if mesh["model"] == 1 or any("model" in axes for sh in chosen.values() for axes in sh)
@@ -383,32 +393,34 @@ def priced(
 ) -> Candidate | None:
     """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
     batch first, and priced; None where it takes `beyond` seconds or more (`estimate`)."""
-    return next(_each(inputs, [(name, mesh, annotations, batch)], hw, beyond))
+    return next(_each(inputs, [TacticPlan(name, mesh, annotations, batch)], hw, beyond))
 
 
-def priced_each(inputs: Inputs, plans, hw: Hardware, beyond: float = math.inf) -> list[Candidate | None]:
-    """`priced` for each of `plans` ((name, mesh, annotations, batch)), two at a time (`pricing`)."""
+def priced_each(
+    inputs: Inputs, plans: Sequence[TacticPlan], hw: Hardware, beyond: float = math.inf
+) -> list[Candidate | None]:
+    """`priced` for each of `plans`, two at a time (`pricing`)."""
     return list(_each(inputs, plans, hw, beyond, whole=True))
 
 
-def _each(inputs: Inputs, plans, hw: Hardware, beyond: float = math.inf, whole: bool = False):
+def _each(inputs: Inputs, plans: Sequence[TacticPlan], hw: Hardware, beyond: float = math.inf, whole: bool = False):
     """`priced` for each of `plans`, lazily and in order: unless `whole`, a reader may stop at any one."""
     jobs = _Jobs(inputs, plans, beyond)
     for i, (cost, prop) in enumerate(Pricer(inputs.fold, hw).each(jobs, whole)):
-        name, job, batch = jobs.plans[i][0], jobs[i], jobs.plans[i][3]
+        plan, job = jobs.plans[i], jobs[i]
         spread = (
             prop
             if prop is not None
-            else functools.partial(propagate, inputs.graph, job.annotations, job.mesh, first=batch)
+            else functools.partial(propagate, inputs.graph, job.annotations, job.mesh, first=plan.batch)
         )
-        yield None if cost is None else Candidate(name, job.mesh, job.annotations, cost, spread)
+        yield None if cost is None else Candidate(plan.name, job.mesh, job.annotations, cost, spread)
 
 
 class _Jobs(Sequence):
     """`plans` as pricing jobs, each made (its optimizer state mirrored) when first asked for: a
     refinement that keeps a trial asks again for the trials after it, and prices only some."""
 
-    def __init__(self, inputs: Inputs, plans, beyond: float):
+    def __init__(self, inputs: Inputs, plans: Sequence[TacticPlan], beyond: float):
         self.inputs, self.plans, self.beyond, self._made = inputs, list(plans), beyond, {}
 
     def __len__(self) -> int:
@@ -416,9 +428,9 @@ class _Jobs(Sequence):
 
     def __getitem__(self, i: int) -> Job:
         if i not in self._made:
-            _, mesh, annotations, batch = self.plans[i]
+            plan = self.plans[i]
             self._made[i] = Job(
-                dict(mesh), _mirror_optimizer_state(self.inputs, annotations), tuple(batch), self.beyond
+                dict(plan.mesh), _mirror_optimizer_state(self.inputs, plan.annotations), tuple(plan.batch), self.beyond
             )
         return self._made[i]
 
@@ -493,7 +505,7 @@ def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bo
         # The trials from `at` on, each against `chosen`, priced ahead two at a time; once one
         # is kept, those after it are tried again against the new choice.
         trials = [(i, t) for i, (w, d) in enumerate(moves) if i >= at and (t := _moved(chosen, w, d, g)) != chosen]
-        plans = [(name, mesh, annotated(t), batch) for _, t in trials]
+        plans = [TacticPlan(name, mesh, annotated(t), batch) for _, t in trials]
         priced_ahead = _each(inputs, plans, hw, beyond=best.cost.total_seconds)
         try:
             at = len(moves)
