@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/corpus.py digests DEVICES LAYERS [NAME ...]  # each plan's digest
     .venv/bin/python benchmarks/corpus.py ab BASE [NAME ...]   # plan time, this checkout against BASE
     .venv/bin/python benchmarks/corpus.py ab96 BASE NAME ...   # 96 layers on 1,024, against BASE
+    .venv/bin/python benchmarks/corpus.py thorough BASE NAME ... # thorough plan on 8 devices, against BASE
     .venv/bin/python benchmarks/corpus.py helper NAME ...      # 96 layers on 1,024, pricing helper on and off
     .venv/bin/python benchmarks/corpus.py traces NAME ...      # one shallow trace's time against its layers
     .venv/bin/python benchmarks/corpus.py slices [NAME ...]   # plans on 2 x 4 and 4 x 2 slices against hybrids
@@ -43,6 +44,11 @@ loop timed beside them (the VM's speed, which moves by half from one evening to 
 `ab96`: `depth`'s 96-layer search (1,024 devices, no guard) in this checkout and at BASE, each a
 fresh process doing a warm-up then three runs (median and runs reported), alternating in two
 rounds.
+`thorough`: `search(..., devices=8, level="thorough")` without the guard, in this checkout and at
+BASE, each a fresh process planning twice (the second timed, each build fresh), alternating in two
+rounds; with a digest of the plan's specs, mesh and tactic, and one of every candidate ranked
+(tactic, mesh, predicted seconds), so equal digests say the two trees chose alike from the same
+prices.
 `slices`: the fast plan on 2 slices of 4 and 4 slices of 2 fake devices with the tpu-v5p and
 h100 profiles against the hand-written hybrid plans (`common.hybrid_experts`: HSDP, data parallel
 across slices with Megatron or Megatron+FSDP inside, FSDP and DP everywhere), all compiled and
@@ -203,6 +209,37 @@ def ab(base: str, names) -> None:
                 f"| {name} | {r + 1} | {b:.2f} | {t:.2f} | {t / b:.2f} | {notes[-1].removeprefix('time: ')} |",
                 flush=True,
             )
+
+
+def thorough(base: str, names) -> None:
+    print("| model | round | tree | seconds | plan digest | ranked digest | candidates |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        for r in range(2):
+            for label, root in (("base", base), ("this", ROOT)) if r % 2 == 0 else (("this", ROOT), ("base", base)):
+                seconds, plan_digest, ranked_digest, count = _thorough_planned(root, name)
+                print(
+                    f"| {name} | {r + 1} | {label} | {seconds:.2f} | {plan_digest} | {ranked_digest} | {count} |",
+                    flush=True,
+                )
+
+
+def _thorough_planned(root: str, name: str) -> tuple:
+    code = (
+        "import sys, time, json, hashlib; sys.path.insert(0, {root!r})\n"
+        "import jax\nfrom tests.corpus import load\nfrom partitioner.search import search\n"
+        "m, o = load({name!r})\n"
+        "for _ in range(2):\n"
+        "    fn, args = m.build(**o); t = time.perf_counter()\n"
+        "    p, ranked = search(fn, *args, devices=8, hardware='h100', level='thorough', compile_check=False)\n"
+        "    seconds = time.perf_counter() - t\n"
+        "spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)\n"
+        "specs = [jax.tree.leaves(p.in_specs, is_leaf=spec), jax.tree.leaves(p.out_specs, is_leaf=spec)]\n"
+        "top = [(c.tactic, sorted(c.mesh.items()), round(c.cost.total_seconds, 15)) for c in ranked]\n"
+        "digest = lambda x: hashlib.sha1(repr(x).encode()).hexdigest()[:12]\n"
+        "print(json.dumps([seconds, digest((p.mesh, specs, p.tactic)), digest(top), len(ranked)]))"
+    )
+    return _fresh_process(code, root, name)
 
 
 def ab96(base: str, names) -> None:
@@ -437,6 +474,7 @@ if __name__ == "__main__":
             "slices": lambda: sliced(names), "slices8k": slices8k, "slices-experts": slices_experts}  # fmt: skip
     jobs["ab"] = lambda: ab(names[0], names[1:])
     jobs["ab96"] = lambda: ab96(names[0], names[1:])
+    jobs["thorough"] = lambda: thorough(names[0], names[1:])
     jobs["helper"] = lambda: helper(names)
     jobs["traces"] = lambda: traces(names)
     jobs["digests"] = lambda: digests(int(names[0]), int(names[1]), names[2:])

@@ -22,16 +22,17 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .hardware import Hardware
 from .tactics import (
     Candidate,
     Inputs,
+    TacticPlan,
     Weight,
     add_fsdp,
     batch_shardings,
-    priced,
+    priced_each,
     split_over,
     state_values,
     weights_in_order,
@@ -171,16 +172,22 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
     name = "exact" + ("+sequence" if mesh["seq"] > 1 else "")
     cache: dict[tuple, Candidate] = {}
 
+    def plan(key: tuple[int, ...]) -> TacticPlan:
+        ann = {
+            w.value: w.sharding(split_over(w.shape(g), opts[o], "model"))
+            for w, opts, o in zip(found, options, key)
+            if o
+        }
+        return TacticPlan(name, mesh, {**batch, **ann}, batch)
+
+    def price_all(choices: Iterable[Sequence[int]]) -> None:
+        """Prices the choices not priced yet, two at a time (`tactics.priced_each`)."""
+        keys = [k for k in dict.fromkeys(tuple(c) for c in choices) if k not in cache]
+        cache.update(zip(keys, priced_each(inputs, [plan(k) for k in keys], hw)))
+
     def price(choice: Sequence[int]) -> Candidate:
-        key = tuple(choice)
-        if key not in cache:
-            ann = {
-                w.value: w.sharding(split_over(w.shape(g), opts[o], "model"))
-                for w, opts, o in zip(found, options, key)
-                if o
-            }
-            cache[key] = priced(inputs, name, mesh, {**batch, **ann}, hw, batch)
-        return cache[key]
+        price_all([choice])
+        return cache[tuple(choice)]
 
     def option_of(w: Weight, opts: list) -> int:
         given = w.operand_sharding(start.annotations.get(w.value, ()))
@@ -190,7 +197,9 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
     ref = tuple(option_of(w, opts) for w, opts in zip(found, options))
     out = []
     for _ in range(ROUNDS):
-        answers = [price(choice) for choice in k_best(_linearised(price, ref, options, limit), K_BEST)]
+        chosen = list(k_best(_linearised(price, price_all, ref, options, limit), K_BEST))
+        price_all(chosen)
+        answers = [cache[choice] for choice in chosen]
         out += answers
         fitting = [a for a in answers if a.cost.peak_bytes_per_device <= limit]
         better = min(fitting, key=lambda a: a.cost.total_seconds, default=None)
@@ -199,24 +208,36 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
         ref = next(k for k, c in cache.items() if c is better)
     if mesh["data"] > 1:
         state = state_values(inputs)
-        for c in list(out):
+        plans = []
+        for c in out:
             tp = {w.value: c.annotations[w.value] for w in found if w.value in c.annotations}
-            out.append(
-                priced(inputs, name + "+fsdp", mesh, {**batch, **add_fsdp(g, tp, state, mesh["data"])}, hw, batch)
-            )
+            plans.append(TacticPlan(name + "+fsdp", mesh, {**batch, **add_fsdp(g, tp, state, mesh["data"])}, batch))
+        out += priced_each(inputs, plans, hw)
     return out
 
 
-def _linearised(price, ref: tuple[int, ...], options: list[list], limit: int) -> PairwiseProblem:
+def _linearised(price, price_all, ref: tuple[int, ...], options: list[list], limit: int) -> PairwiseProblem:
+    """The pairwise model around `ref`; every choice it reads is handed to `price_all` first, so
+    that they are priced two at a time, then read back one by one from `price`'s cache."""
+    n = len(ref)
+    adjacent = [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else [])
+    moves = [{i: o} for i in range(n) for o in range(len(options[i])) if o != ref[i]]
+    moves += [
+        {i: o, j: p}
+        for i, j in adjacent
+        for o in range(len(options[i]))
+        for p in range(len(options[j]))
+        if o != ref[i] and p != ref[j]
+    ]
+    price_all([ref] + [tuple(m.get(k, o) for k, o in enumerate(ref)) for m in moves])
     base = price(ref)
     sec = lambda c: c.cost.total_seconds / base.cost.total_seconds - 1.0
     mem = lambda c: (c.cost.peak_bytes_per_device - base.cost.peak_bytes_per_device) / limit
     moved = lambda changes: price(tuple(changes.get(i, o) for i, o in enumerate(ref)))
-    n = len(ref)
     unary = [[0.0 if o == ref[i] else sec(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
     unary_mem = [[0.0 if o == ref[i] else mem(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
     pair, pair_mem = {}, {}
-    for i, j in [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else []):
+    for i, j in adjacent:
         both = lambda o, p: o != ref[i] and p != ref[j]  # noqa: B023 (called within the iteration)
         pair[(i, j)] = [
             [
