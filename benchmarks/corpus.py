@@ -39,8 +39,9 @@ on, alternating in this process, four rounds, the first of each left out; total 
 `traces`: the step cut to 4, 3, 2 and 1 layers of each stack and captured (`depth._Traced.trace`:
 JAX's tracing and the graph built from it), in that order, a fresh build of the step each round,
 three rounds; whether the folds at 3 and 4 layers, and at 2 and 3, are one graph op for op
-(`depth._same_graph`, what a pair of depths needs); then `depth`'s 96-layer search once, with where its time went; and a pure-Python
-loop timed beside them (the VM's speed, which moves by half from one evening to the next).
+(`depth._same_graph`, what a pair of depths needs); then `depth`'s 96-layer search once, with
+where its time went; and a pure-Python loop timed beside them (the machine's speed, which moves
+by half from one evening to the next).
 `ab96`: `depth`'s 96-layer search (1,024 devices, no guard) in this checkout and at BASE, each a
 fresh process doing a warm-up then three runs (median and runs reported), alternating in two
 rounds.
