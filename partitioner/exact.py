@@ -217,40 +217,41 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
 
 
 def _linearised(price, price_all, ref: tuple[int, ...], options: list[list], limit: int) -> PairwiseProblem:
-    """The pairwise model around `ref`; every choice it reads is handed to `price_all` first, so
-    that they are priced two at a time, then read back one by one from `price`'s cache."""
+    """The pairwise model around `ref`: each weight moved alone, and each adjacent pair moved
+    together, measured against `ref`. Every choice it reads is handed to `price_all` at once, so
+    that they are priced two at a time, then read back from `price`'s cache."""
     n = len(ref)
     adjacent = [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else [])
-    moves = [{i: o} for i in range(n) for o in range(len(options[i])) if o != ref[i]]
-    moves += [
-        {i: o, j: p}
+    moved = lambda changes: tuple(changes.get(k, o) for k, o in enumerate(ref))
+    single = {(i, o): moved({i: o}) for i in range(n) for o in range(len(options[i])) if o != ref[i]}
+    double = {
+        (i, j, o, p): moved({i: o, j: p})
         for i, j in adjacent
         for o in range(len(options[i]))
         for p in range(len(options[j]))
         if o != ref[i] and p != ref[j]
-    ]
-    price_all([ref] + [tuple(m.get(k, o) for k, o in enumerate(ref)) for m in moves])
+    }
+    price_all([ref, *single.values(), *double.values()])
     base = price(ref)
     sec = lambda c: c.cost.total_seconds / base.cost.total_seconds - 1.0
     mem = lambda c: (c.cost.peak_bytes_per_device - base.cost.peak_bytes_per_device) / limit
-    moved = lambda changes: price(tuple(changes.get(i, o) for i, o in enumerate(ref)))
-    unary = [[0.0 if o == ref[i] else sec(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
-    unary_mem = [[0.0 if o == ref[i] else mem(moved({i: o})) for o in range(len(options[i]))] for i in range(n)]
-    pair, pair_mem = {}, {}
-    for i, j in adjacent:
-        both = lambda o, p: o != ref[i] and p != ref[j]  # noqa: B023 (called within the iteration)
-        pair[(i, j)] = [
-            [
-                sec(moved({i: o, j: p})) - unary[i][o] - unary[j][p] if both(o, p) else 0.0
-                for p in range(len(options[j]))
-            ]
-            for o in range(len(options[i]))
+
+    def table(measure):
+        alone = [
+            [measure(price(single[i, o])) if (i, o) in single else 0.0 for o in range(len(options[i]))]
+            for i in range(n)
         ]
-        pair_mem[(i, j)] = [
-            [
-                mem(moved({i: o, j: p})) - unary_mem[i][o] - unary_mem[j][p] if both(o, p) else 0.0
-                for p in range(len(options[j]))
+        pairs = {
+            (i, j): [
+                [
+                    measure(price(double[i, j, o, p])) - alone[i][o] - alone[j][p] if (i, j, o, p) in double else 0.0
+                    for p in range(len(options[j]))
+                ]
+                for o in range(len(options[i]))
             ]
-            for o in range(len(options[i]))
-        ]
+            for i, j in adjacent
+        }
+        return alone, pairs
+
+    (unary, pair), (unary_mem, pair_mem) = table(sec), table(mem)
     return PairwiseProblem(unary, pair, unary_mem, pair_mem, budget=(limit - base.cost.peak_bytes_per_device) / limit)
