@@ -23,6 +23,14 @@ from .standby import StandbyPool
 
 HOST_RESOURCE = "remesh_host"
 
+# What Ray raises for an actor whose host is gone: it died there, or it was placed on a node (or
+# in a placement group) that went away before it started, which Ray reports as unschedulable.
+_HOST_GONE = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnschedulableError,
+    ray.exceptions.ActorPlacementGroupRemoved,
+)
+
 
 class HostsUnavailableError(RuntimeError):
     pass
@@ -101,9 +109,10 @@ class HostGroup:
             self.actors = self._placed(hosts)
         try:
             self.places = ray.get([a.where.remote() for a in self.actors], timeout=config.schedule_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+        except (*_HOST_GONE, ray.exceptions.GetTimeoutError) as e:
             self.shutdown()
-            raise HostsUnavailableError(f"a host actor did not start: {type(e).__name__}") from e
+            said = (str(e).strip().splitlines() or [""])[0]  # Ray's first line says why; the rest is the actor's record
+            raise HostsUnavailableError(f"a host actor did not start: {type(e).__name__}: {said}") from e
         self.node_ids = [p["node_id"] for p in self.places]
 
     def _placed(self, hosts: int) -> list:
@@ -203,7 +212,7 @@ class HostGroup:
                 continue
             try:
                 answered.append((i, answer(ray.get(ref))))
-            except ray.exceptions.RayActorError as e:
+            except _HOST_GONE as e:
                 lost.append(i)
                 details.append(f"host {i}: {type(e).__name__} {when}".rstrip())
         if lost:
