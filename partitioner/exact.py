@@ -180,14 +180,13 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
         }
         return TacticPlan(name, mesh, {**batch, **ann}, batch)
 
-    def price_all(choices: Iterable[Sequence[int]]) -> None:
-        """Prices the choices not priced yet, two at a time (`tactics.priced_each`)."""
-        keys = [k for k in dict.fromkeys(tuple(c) for c in choices) if k not in cache]
-        cache.update(zip(keys, priced_each(inputs, [plan(k) for k in keys], hw)))
-
-    def price(choice: Sequence[int]) -> Candidate:
-        price_all([choice])
-        return cache[tuple(choice)]
+    def price_all(choices: Iterable[Sequence[int]]) -> list[Candidate]:
+        """Each choice's candidate, in order: those not priced yet are priced together, two at a
+        time (`tactics.priced_each`), the rest read from the cache."""
+        keys = [tuple(c) for c in choices]
+        new = [k for k in dict.fromkeys(keys) if k not in cache]
+        cache.update(zip(new, priced_each(inputs, [plan(k) for k in new], hw)))
+        return [cache[k] for k in keys]
 
     def option_of(w: Weight, opts: list) -> int:
         given = w.operand_sharding(start.annotations.get(w.value, ()))
@@ -197,15 +196,14 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
     ref = tuple(option_of(w, opts) for w, opts in zip(found, options))
     out = []
     for _ in range(ROUNDS):
-        chosen = list(k_best(_linearised(price, price_all, ref, options, limit), K_BEST))
-        price_all(chosen)
-        answers = [cache[choice] for choice in chosen]
+        chosen = [tuple(c) for c in k_best(_linearised(price_all, ref, options, limit), K_BEST)]
+        answers = price_all(chosen)
         out += answers
         fitting = [a for a in answers if a.cost.peak_bytes_per_device <= limit]
         better = min(fitting, key=lambda a: a.cost.total_seconds, default=None)
-        if better is None or better.cost.total_seconds >= price(ref).cost.total_seconds:
+        if better is None or better.cost.total_seconds >= cache[ref].cost.total_seconds:
             break
-        ref = next(k for k, c in cache.items() if c is better)
+        ref = next(k for k, a in zip(chosen, answers) if a is better)
     if mesh["data"] > 1:
         state = state_values(inputs)
         plans = []
@@ -216,10 +214,10 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
     return out
 
 
-def _linearised(price, price_all, ref: tuple[int, ...], options: list[list], limit: int) -> PairwiseProblem:
+def _linearised(price_all, ref: tuple[int, ...], options: list[list], limit: int) -> PairwiseProblem:
     """The pairwise model around `ref`: each weight moved alone, and each adjacent pair moved
-    together, measured against `ref`. Every choice it reads is handed to `price_all` at once, so
-    that they are priced two at a time, then read back from `price`'s cache."""
+    together, measured against `ref`. Every choice it reads goes to `price_all` at once, so that
+    they are priced two at a time."""
     n = len(ref)
     adjacent = [(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if n > 2 else [])
     moved = lambda changes: tuple(changes.get(k, o) for k, o in enumerate(ref))
@@ -231,20 +229,21 @@ def _linearised(price, price_all, ref: tuple[int, ...], options: list[list], lim
         for p in range(len(options[j]))
         if o != ref[i] and p != ref[j]
     }
-    price_all([ref, *single.values(), *double.values()])
-    base = price(ref)
+    every = [ref, *single.values(), *double.values()]
+    price = dict(zip(every, price_all(every)))
+    base = price[ref]
     sec = lambda c: c.cost.total_seconds / base.cost.total_seconds - 1.0
     mem = lambda c: (c.cost.peak_bytes_per_device - base.cost.peak_bytes_per_device) / limit
 
     def table(measure):
         alone = [
-            [measure(price(single[i, o])) if (i, o) in single else 0.0 for o in range(len(options[i]))]
+            [measure(price[single[i, o]]) if (i, o) in single else 0.0 for o in range(len(options[i]))]
             for i in range(n)
         ]
         pairs = {
             (i, j): [
                 [
-                    measure(price(double[i, j, o, p])) - alone[i][o] - alone[j][p] if (i, j, o, p) in double else 0.0
+                    measure(price[double[i, j, o, p]]) - alone[i][o] - alone[j][p] if (i, j, o, p) in double else 0.0
                     for p in range(len(options[j]))
                 ]
                 for o in range(len(options[i]))
