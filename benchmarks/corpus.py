@@ -203,7 +203,7 @@ def ab(base: str, names) -> None:
     for name in names or CORPUS:
         for r in range(3):
             runs = {}
-            for root in (base, ROOT) if r % 2 == 0 else (ROOT, base):
+            for _, root in _in_turn(base, r):
                 runs[root] = _planned(root, name)
             (b, _), (t, notes) = runs[base], runs[ROOT]
             print(
@@ -212,12 +212,19 @@ def ab(base: str, names) -> None:
             )
 
 
+def _in_turn(base: str, r: int) -> tuple[tuple[str, str], ...]:
+    """(label, root) of the tree at BASE and this checkout, BASE first in even rounds: neither
+    always runs on the machine as the other left it."""
+    trees = (("base", base), ("this", ROOT))
+    return trees if r % 2 == 0 else trees[::-1]
+
+
 def thorough(base: str, names) -> None:
     print("| model | round | tree | seconds | plan digest | ranked digest | candidates |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
         for r in range(2):
-            for label, root in (("base", base), ("this", ROOT)) if r % 2 == 0 else (("this", ROOT), ("base", base)):
+            for label, root in _in_turn(base, r):
                 seconds, plan_digest, ranked_digest, count = _thorough_planned(root, name)
                 print(
                     f"| {name} | {r + 1} | {label} | {seconds:.2f} | {plan_digest} | {ranked_digest} | {count} |",
@@ -250,7 +257,7 @@ def ab96(base: str, names) -> None:
     print("|---|---|---|---|---|---|")
     for name in names:
         for r in range(2):
-            for label, root in (("base", base), ("this", ROOT)) if r % 2 == 0 else (("this", ROOT), ("base", base)):
+            for label, root in _in_turn(base, r):
                 seconds, note = _deep_planned(root, name)
                 runs = " ".join(f"{t:.2f}" for t in seconds)
                 print(
