@@ -111,7 +111,7 @@ class HostGroup:
             self.places = ray.get([a.where.remote() for a in self.actors], timeout=config.schedule_timeout_s)
         except (*_HOST_GONE, ray.exceptions.GetTimeoutError) as e:
             self.shutdown()
-            said = (str(e).strip().splitlines() or [""])[0]  # Ray's first line says why; the rest is the actor's record
+            said = str(e).strip().partition("\n")[0]  # Ray's first line says why; the rest is the actor's record
             raise HostsUnavailableError(f"a host actor did not start: {type(e).__name__}: {said}") from e
         self.node_ids = [p["node_id"] for p in self.places]
 
