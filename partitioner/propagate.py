@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import heapq
 import math
+import threading
 from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
@@ -148,18 +149,17 @@ def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Shardi
     key = None
     if len(stages) > 1:
         key = (tuple(mesh.items()), tuple(sorted(stages[0].items())), tuple(sorted(seeds.items())), max_sweeps)
-    cache = graph._first_stage
-    cached = key is not None and key in cache
+    kept = None if key is None else _kept(graph._first_stage, key)
+    cached = kept is not None
     if cached:
-        cache[key] = kept = cache.pop(key)  # the most recently used last (`_keep`)
         state = _copied(kept)
         stages = stages[1:]
     else:
         state = _fresh(graph, seeds)
     for n, stage in enumerate(stages):
         _stage(graph, state, stage, n == 0 and not cached, mesh, max_sweeps, touching)
-        if key is not None and key not in cache:
-            _keep(cache, key, _copied(state))
+        if key is not None and n == 0 and not cached:
+            _keep(graph._first_stage, key, _copied(state))
     shardings, _, factor_axes, _, takeovers = state
     return shardings, factor_axes, takeovers
 
@@ -167,15 +167,31 @@ def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Shardi
 SEEDED_KEPT = 8  # first stages kept per graph with seeds (a copy of the state each): those last used
 
 
+# A graph's kept first stages are shared by the threads that plan one step: a job's controller
+# and its planning thread (`StepPlanner`). What is kept is never changed (each run copies it);
+# the lock covers the dict's order and evictions only.
+_FIRST_STAGES = threading.Lock()
+
+
+def _kept(cache: dict, key: tuple):
+    """The state kept under `key`, now the most recently used (`_keep`); None where none is."""
+    with _FIRST_STAGES:
+        kept = cache.pop(key, None)
+        if kept is not None:
+            cache[key] = kept
+        return kept
+
+
 def _keep(cache: dict, key: tuple, state) -> None:
     """`state` kept under `key`; of those with seeds (key[2]), only the SEEDED_KEPT last used: the
     unseeded ones are one per mesh, the seeded ones as many as the distinct takeovers met (a
     graph is kept for a job's life, `StepPlanner`)."""
-    cache[key] = state
-    if key[2]:
-        seeded = [k for k in cache if k[2]]
-        for old in seeded[: len(seeded) - SEEDED_KEPT]:
-            del cache[old]
+    with _FIRST_STAGES:
+        cache[key] = state
+        if key[2]:
+            seeded = [k for k in cache if k[2]]
+            for old in seeded[: max(0, len(seeded) - SEEDED_KEPT)]:  # a negative bound would cut from the end
+                del cache[old]
 
 
 def _fresh(graph: Graph, seeds: Mapping[int, Sharding]):

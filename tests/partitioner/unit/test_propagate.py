@@ -206,3 +206,40 @@ def test_a_rerun_after_a_takeover_starts_from_its_kept_first_stage_and_ends_as_a
     for p in (first, again):
         assert p.shardings == reference.shardings and p.factor_axes == reference.factor_axes
         assert p.communication == reference.communication
+
+
+def test_first_stages_kept_on_a_graph_stand_threads_keeping_and_evicting_at_once():
+    # A job's controller and its planning thread plan one step at once (`StepPlanner`), so two
+    # propagations keep, reuse and evict first stages on the same graph together. Thread switches
+    # made as frequent as Python allows, so that the keeping and the evicting interleave.
+    import sys
+    import threading
+
+    from partitioner.propagate import SEEDED_KEPT, _keep, _kept
+
+    cache, errors = {}, []
+    unseeded = [((("data", t),), (), (), 8) for t in range(4)]  # (mesh, first stage, seeds, sweeps)
+
+    def plan(t):
+        try:
+            for i in range(2_000):
+                key = unseeded[t] if i % 5 == 0 else (unseeded[t][0], (), ((t, i % (SEEDED_KEPT + 5)),), 8)
+                if _kept(cache, key) is None:
+                    _keep(cache, key, ("state", key))
+        except Exception as e:  # what a planning thread would have died of
+            errors.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=plan, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert all(cache[k] == ("state", k) for k in cache)
+    assert all(k in cache for k in unseeded)  # one per mesh, never evicted
+    assert len([k for k in cache if k[2]]) == SEEDED_KEPT
