@@ -400,9 +400,9 @@ class JobController:
         if segment.first_step is None:
             segment.first_step, segment.first_step_at = report.step, round(self.now(), 3)
             self._step_seconds.clear()  # the first step of a group includes waiting for its peers
+            self._prepare_next()  # once a segment, off the recovery path: it has its first step
         elif report.seconds:
             self._step_seconds.append(report.seconds)
-            self._prepare_next()  # off the recovery path: this segment has its first step
         segment.last_step, segment.snapshot_every = report.step, report.snapshot_every
         recovery = getattr(state, "recovery", None)
         if recovery is not None and not recovery.recovered:

@@ -142,7 +142,7 @@ def fake_plan(devices):
 
 
 def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0,
-         cluster=None, max_hosts=4):  # fmt: skip
+         cluster=None, max_hosts=4, host_check_s=0.0, standby=None):  # fmt: skip
     """A controller on `world` (seen through `cluster`, where given), and the run summary its
     callbacks keep; the terminal's lines go to `lines`."""
     lines = [] if lines is None else lines
@@ -173,7 +173,7 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
         cluster or world,
         plans=PlanCache(fake_plan, "f"),
         config=ControllerConfig(
-            poll_interval_s=0, host_check_interval_s=0, stop_grace_s=grace, reserve_wait_s=reserve_wait_s
+            poll_interval_s=0, host_check_interval_s=host_check_s, stop_grace_s=grace, reserve_wait_s=reserve_wait_s
         ),  # fmt: skip
         callbacks=callbacks,
         group_cls=fake_group_cls(world, 5, now),
@@ -181,6 +181,7 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
         wall=now,
         sleep=lambda s: None,
         committed=committed,
+        standby=standby,
     )
     return c, summary.summary
 
@@ -219,6 +220,32 @@ def test_host_loss_replans_on_fewer_hosts_and_resumes_from_the_committed_step():
     run_until(c, lambda: c.phase.is_terminal)
     assert c.phase is Phase.FINISHED and s.steps_completed == 30
     assert [seg.devices for seg in s.segments] == [8, 6]
+
+
+def test_what_the_next_group_needs_is_prepared_once_per_segment_not_every_step():
+    class Counted(World):
+        asked = 0
+
+        def alive_hosts(self):
+            self.asked += 1
+            return super().alive_hosts()
+
+    class Standby:
+        refills = 0
+
+        def refill(self, nodes, env):
+            self.refills += 1
+
+    world, standby = Counted(4), Standby()
+    c, s = make(world, steps=40, host_check_s=1e9, standby=standby)  # no host checks while a group trains
+    asked, planner = [], c.plans.planner
+    c.plans.planner = lambda devices: asked.append(devices) or planner(devices)
+    run_until(c, lambda: c.phase is Phase.RUNNING)
+    before = world.asked
+    run_until(c, lambda: s.steps_completed >= 20)
+    # One look at the cluster, one refill and one round of plans ahead, whatever the steps.
+    assert (world.asked - before, standby.refills) == (1, 1)
+    assert sorted(asked) == [6, 8]  # the job's plan, then a host fewer (a host more is over hosts.max)
 
 
 def test_added_host_grows_at_the_next_checkpoint_boundary():
