@@ -35,6 +35,7 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
     from orchestrator import parse_job
     from orchestrator.control.controller import ControllerConfig, JobController
     from orchestrator.control.planning import PlanCache
+    from orchestrator.hosts.interface import Cluster
     from orchestrator.protocol import from_dict
     from orchestrator.telemetry import goodput, summary
     from orchestrator.telemetry.recorder import Recorder, RecorderCallback
@@ -56,8 +57,9 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
     fed = [0]
 
     class Group:
-        def __init__(self, size, config, standby=None):
+        def __init__(self, size, config, standby=None, placements=None, nodes=None):
             self.size, self.node_ids, self.step = size, [f"n{i}" for i in range(size)], 0
+            self.places = [{"ip": "127.0.0.1", "port": 1, "pid": 0}] * size
 
         def start(self, spec_for, snapshots=None, executables=None):
             pass
@@ -78,12 +80,9 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
         def shutdown(self):
             pass
 
-    class Cluster:
+    class Hosts(Cluster):
         def alive_hosts(self):
             return [f"n{i}" for i in range(hosts)]
-
-        def host_env(self):
-            return {}
 
     class AlwaysDue(Recorder):
         polls = 0
@@ -105,7 +104,7 @@ def run(hosts: int, reports: int, throughput_cls, summary_cls, status_every: int
     sm = summary.SummaryCallback(gp)
     c = JobController(
         job,
-        Cluster(),
+        Hosts(),
         plans=PlanCache(lambda devices: plan, "f"),
         config=ControllerConfig(poll_interval_s=0, host_check_interval_s=1e9),
         callbacks=[gp, sm, RecorderCallback(AlwaysDue(), gp, sm)],

@@ -6,7 +6,7 @@ against a fault-free run of the same job.
 
 Faults (`plan_storm`, from the seed alone, so a failure replays with the same faults at the same
 steps; when each lands within its step still depends on timing):
-- in the controller's hands (`--chaos`, orchestrator/testing/chaos.py): one host killed; two at once (host 0
+- in the controller's hands (`--chaos`, orchestrator/chaos.py): one host killed; two at once (host 0
   among them half the time); a host killed while its group saves, starts (before joining
   jax.distributed), compiles or restores; a host added while a recovery's group starts; a host's
   process frozen with SIGSTOP (found by the poll timeout, not by Ray);
@@ -329,7 +329,7 @@ def check(
     store: str, ckpt: str, reference: dict, outputs: list[str], legs: list[Leg], corrupted, killed_commits, steps
 ) -> dict:
     """The storm's invariants, from what the runs recorded."""
-    from orchestrator.fleet.store import FleetStore
+    from orchestrator.dashboard.store import FleetStore
 
     db = FleetStore(store)
     runs = sorted(db.runs("storm"), key=lambda r: r["run"])

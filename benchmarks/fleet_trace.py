@@ -3,7 +3,7 @@ gangs and against elastic jobs without preemption, on a simulated trace.
 
     .venv/bin/python benchmarks/fleet_trace.py simulate [--start S] [--resize S] [--seeds N]
 
-`simulate`: a synthetic trace (`orchestrator.testing.fleet_sim.synthetic_trace`: a fifth of the
+`simulate`: a synthetic trace (`orchestrator.fleet.simulate.synthetic_trace`: a fifth of the
 jobs urgent and inflexible, the rest elastic with min a quarter of max, maxima of 1 host to half
 the cluster, lognormal lengths around 1,500 steps, Poisson arrivals offering the cluster's
 capacity) replayed at 64 hosts (100 jobs) and 1,024 hosts (400 jobs) under each policy, one
@@ -31,7 +31,7 @@ POLICIES = ("remesh", "no-preempt", "fcfs-gang")
 
 
 def simulate(start: float, resize: float, seeds: int) -> None:
-    from orchestrator.testing.fleet_sim import Costs, simulate, synthetic_trace
+    from orchestrator.fleet.simulate import Costs, simulate, synthetic_trace
 
     costs = Costs(start=start, resize=resize)
     for hosts, jobs in SIZES:
@@ -155,7 +155,7 @@ def _complete(path: str) -> bool:
 
 def report(runs_path: str) -> None:
     """The real run's figures, what it measured, and the simulator fed with them, side by side."""
-    from orchestrator.testing.fleet_sim import Costs, TraceJob, simulate, synthetic_trace
+    from orchestrator.fleet.simulate import Costs, TraceJob, simulate, synthetic_trace
 
     with open(runs_path) as f:
         data = json.load(f)
@@ -198,7 +198,7 @@ def report(runs_path: str) -> None:
 def _measured_costs(start: float, resize: float, table: dict):
     """Costs whose step seconds are looked up by host count, as measured (every job of the real
     trace is one model); counts not measured fall back to the model of `Costs`."""
-    from orchestrator.testing.fleet_sim import Costs
+    from orchestrator.fleet.simulate import Costs
 
     @dataclasses.dataclass(frozen=True)
     class MeasuredCosts(Costs):

@@ -177,9 +177,9 @@ def _users_error(e: Exception) -> bool:
 
 
 def _run(args) -> int:
-    from ..fleet.store import FleetStoreConfig
+    from ..dashboard.store import FleetStoreConfig
     from ..job.jobfile import load_job
-    from .run import run_job
+    from ..launch import run_job
 
     job = load_job(args.job)
     if args.checkpoint_dir:
@@ -276,8 +276,8 @@ def _stop(args) -> int:
 
 
 def _dashboard(args) -> int:
-    from ..fleet.dashboard import DashboardConfig, make_server
-    from ..fleet.store import FleetStoreConfig
+    from ..dashboard.server import DashboardConfig, make_server
+    from ..dashboard.store import FleetStoreConfig
 
     server = make_server(DashboardConfig(host=args.host, port=args.port, store=FleetStoreConfig(path=args.store or "")))
     host, port = server.server_address[:2]

@@ -61,8 +61,8 @@ def client(address: str):
 def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> str:
     """Submit the job file at `job_path`; returns the submission id. The job file is checked here
     first, so a broken one is refused before anything reaches the cluster."""
+    from ..chaos import ANY_CLUSTER, parse_chaos
     from ..job.jobfile import load_job
-    from ..testing.chaos import ANY_CLUSTER, parse_chaos
 
     job = load_job(job_path)
     if chaos and any(f.kind not in ANY_CLUSTER for f in parse_chaos(chaos)):
@@ -186,7 +186,7 @@ def remesh_state(name: str, store: str | None = None, dashboard: str | None = No
 
 
 def _from_store(name: str, store: str | None, submission: str = "") -> dict:
-    from ..fleet.store import FleetStore, default_path
+    from ..dashboard.store import FleetStore, default_path
 
     path = store or default_path()
     if not os.path.exists(path):

@@ -5,7 +5,9 @@ it one move at a time; `run()` loops until a terminal state. The states and the 
 between them are in state.py, each state carrying its own data. The controller only decides and
 acts: everything that watches a job (the run summary, the goodput ledger, the fleet store, Ray's
 metrics, the terminal, fault injection) is a callback (callbacks.py). Clocks, the poll interval,
-the planner and the host-group class are parameters.
+the planner and the host-group class are parameters. Callbacks and policies read the job through a
+`ControllerView`; the cluster is any `hosts.interface.Cluster`, and whether the job follows a
+fleet scheduler's grant or takes what its own cluster offers is its scaling policy's business.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import collections
 import contextlib
 import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
 from ..hosts.group import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
-from ..hosts.slices import SlicedCluster
+from ..hosts.interface import Cluster
 from ..job.jobfile import JobSpec
 from ..protocol import Compile, CompileAhead, Event, EventKind, Report, Restore, SegmentSpec, Step
 from . import policies
@@ -28,7 +29,6 @@ from .planning import PlanCache
 from .state import (
     Failed,
     Finished,
-    FleetProgress,
     Phase,
     Planning,
     Queued,
@@ -41,6 +41,7 @@ from .state import (
     Stopped,
     Stopping,
 )
+from .view import ControllerView
 
 
 class JobStopped(BaseException):
@@ -59,21 +60,18 @@ class ControllerConfig:
     # watcher), the job stops as on SIGTERM; the file is removed, so a re-run trains on.
     stop_file: str | None = None
     env_vars: dict = dataclasses.field(default_factory=dict)
-    # On a shared cluster: how long to wait for granted hosts that another job has not given back
-    # yet before starting on fewer (at least hosts.min); the wait is said in the job's status.
-    reserve_wait_s: float = 30.0
 
 
 class JobController:
     def __init__(
         self,
         job: JobSpec,
-        cluster,
+        cluster: Cluster,
         *,
         plans: PlanCache,
         config: ControllerConfig = ControllerConfig(),
         callbacks: Sequence[ControllerCallback] = (),
-        scaling: policies.ScalingPolicy | None = None,
+        scaling: policies.Scaling | None = None,
         failure: policies.FailurePolicy | None = None,
         group_cls=HostGroup,
         clock: Callable[[], float] = time.monotonic,
@@ -94,18 +92,18 @@ class JobController:
         self.model_flops = model_flops  # of one step, for MFU; None: each host counts it
         self.committed, self.snapshots, self.standby = committed, snapshots, standby
         self.callbacks = Callbacks(callbacks)
-        # A cluster shared through the fleet scheduler grants this job its hosts (fleet/cluster.py).
-        self.fleet = cluster if hasattr(cluster, "release") else None
-        if self.fleet is not None:
-            self.fleet.progress = self._fleet_progress
+        self.view = ControllerView(self)
         self.state: State = Planning()
         self.step_reached = 0  # the highest step known done: reported, or restored (a resumed run starts there)
         self.segments: list[Segment] = []
         self.started_wall, self._t0 = wall(), clock()
         self.group: HostGroup | None = None
         self._stop_request: str | None = None  # a stop asked for (a signal), not yet begun
-        self._step_seconds: collections.deque[float] = collections.deque(maxlen=9)  # this group's latest steps
-        self._shrunk_at: int | None = None  # the step reached when the fleet last asked for hosts back
+        # This group's latest step times: a median of 9 rides out a slow step or two (a save, a
+        # collection) and still follows a change of pace within a few steps.
+        self.step_seconds: collections.deque[float] = collections.deque(maxlen=9)
+        self._shrunk_at: int | None = None  # the step reached when the scaling policy last shrank the job
+        self._hosts_checked_at = 0.0  # when the cluster was last asked for hosts while a group trains
         # The reports that change the controller's own data; every report goes to the callbacks.
         self._handlers = {
             Step: self._stepped,
@@ -113,7 +111,8 @@ class JobController:
             Compile: self._compiled,
             CompileAhead: self.plans.compiled_ahead,
         }
-        self.callbacks.on_attach(self)
+        self.scaling.attach(self.view)
+        self.callbacks.on_attach(self.view)
 
     @property
     def phase(self) -> Phase:
@@ -139,7 +138,7 @@ class JobController:
     def _set(self, state: State) -> Phase:
         previous, self.state = self.state, state
         if state is not previous:
-            self.callbacks.on_state(self, previous, state)
+            self.callbacks.on_state(self.view, previous, state)
         return state.phase
 
     def request_stop(self, reason: str) -> None:
@@ -150,7 +149,7 @@ class JobController:
         self._stop_request = reason
 
     def run(self) -> State:
-        self.callbacks.on_start(self)
+        self.callbacks.on_start(self.view)
         try:
             while not self.phase.is_terminal:
                 self.step()
@@ -159,12 +158,12 @@ class JobController:
         finally:
             self._stop_group()
             self.plans.shutdown()
-            self.callbacks.on_end(self)
+            self.callbacks.on_end(self.view)
         return self.state
 
     def _event(self, kind: str, step: int | None = None, seconds: float = 0.0, **fields) -> None:
         step = self.step_reached if step is None else step
-        self.callbacks.on_event(self, Event(kind, step, self.now(), seconds, fields))
+        self.callbacks.on_event(self.view, Event(kind, step, self.now(), seconds, fields))
 
     # -- Planning ----------------------------------------------------------------------------
     def _planning(self, state: Planning) -> State:
@@ -176,21 +175,14 @@ class JobController:
                     f"already complete: step {committed} of {self.job.steps} is committed in {self.job.checkpoint.dir}"
                     " (to train again, use a new checkpoint directory or more steps)"
                 )
-        available = len(self.cluster.alive_hosts())
-        target = state.target
-        if self.fleet is not None:
-            granted = self._granted(self.clock(), state.recovery, accept=state.target)
-            if isinstance(granted, Queued):
-                return granted
-            target, available = granted, granted
-        elif target is None:
-            decision = self.scaling.initial(available)
-            if isinstance(decision, policies.Fail):
-                return Failed(decision.reason)
-            target = decision.hosts
-        target = min(target, available)  # hosts may have gone since the decision was made
+        decision = self.scaling.admit(self.view, state.target, self.clock())
+        if isinstance(decision, policies.Wait):
+            return self._queue(decision.reason, self.clock(), state.recovery)
+        if isinstance(decision, policies.Fail):
+            return Failed(decision.reason)
+        target = decision.hosts
         if target < self.job.hosts.min:
-            return Failed(f"{available} hosts left, the job needs at least {self.job.hosts.min} (hosts.min)")
+            return Failed(f"{target} hosts left, the job needs at least {self.job.hosts.min} (hosts.min)")
         t, wall = self.clock(), self.wall()
         planned = self.plans.plan(target * self.job.hosts.devices_per_host)
         plan = planned.plan
@@ -206,32 +198,6 @@ class JobController:
         return min(target, -(-plan.devices_used // self.job.hosts.devices_per_host))
 
     # -- Queued (a shared cluster) ------------------------------------------------------------
-    def _granted(self, since: float, recovery: Recovery | None, accept: int | None = None) -> int | Queued:
-        """The hosts the fleet scheduler grants this job and has placed for it, giving back any
-        beyond the grant; or the wait, with its reason. Granted hosts that another job still
-        holds are waited for `reserve_wait_s`, then the job starts on those it has (at least
-        hosts.min); `accept`: a count already settled for (after that wait, or by the failure
-        policy after a host loss), taken if that many are placed."""
-        grant = self.fleet.report()
-        alive = self.fleet.alive_hosts()
-        stranded = sorted(set(self._live_hosts()) - set(alive))  # of a slice that lost a host: no use to a group
-        if stranded:
-            grant = self.fleet.release(stranded)
-        if len(alive) > grant.target:
-            grant = self.fleet.release(alive[grant.target :])  # shrunk or suspended: give the rest back
-            alive = alive[: grant.target]
-        if grant.target == 0:
-            return self._queue(grant.reason or "waiting for hosts", since, recovery)
-        if len(alive) >= grant.target:
-            return grant.target
-        if accept is not None and self.job.hosts.min <= accept <= len(alive):
-            return accept
-        if len(alive) >= self.job.hosts.min and self.clock() - since >= self.config.reserve_wait_s:
-            return len(alive)
-        reason = (f"waiting for hosts: {len(alive)} of the {grant.target} granted are free, the rest still held "
-                  "by jobs that are giving them back")  # fmt: skip
-        return self._queue(reason, since, recovery)
-
     def _queue(self, reason: str, since: float, recovery: Recovery | None) -> Queued:
         previous = self.state
         if not isinstance(previous, Queued) or previous.reason != reason:
@@ -241,53 +207,29 @@ class JobController:
         return Queued(reason, since, recovery)
 
     def _queued(self, state: Queued) -> State:
-        self.callbacks.on_poll(self)
+        self.callbacks.on_poll(self.view)
         self.sleep(self.config.host_check_interval_s)
-        granted = self._granted(state.since, state.recovery)
-        if isinstance(granted, Queued):
-            return granted
-        self._event(EventKind.ADMITTED, hosts=granted, waited=round(self.clock() - state.since, 3))
-        return Planning(granted, state.recovery)
-
-    def _fleet_progress(self) -> FleetProgress:
-        """What a shrink would cost this job now: steps since its last snapshot or commit (computed
-        again), and whether a group one host smaller would start at once (plan and programs ready);
-        and whether growing to its maximum would pay for the resize (`_grows`)."""
-        every = (self.segment.snapshot_every if self.segment else 0) or self.job.checkpoint.every
-        hosts = self.segment.hosts if self.segment else 0
-        smaller = hosts > 1 and self.plans.ready((hosts - 1) * self.job.hosts.devices_per_host)
-        return FleetProgress(self.step_reached % every, smaller, self._grows())
-
-    def _grows(self) -> bool:
-        """Whether the steps left, on the most hosts the job takes, would save more time than a
-        resize costs: the last group's start (from planning to its first step) is the estimate
-        of the next, and steps are taken to shorten in proportion to hosts. Until a group has
-        stepped, nothing is known against growing."""
-        segment, times = self.segment, self._step_seconds
-        if segment is None or segment.first_step_at is None or not times:
-            return True
-        resize = segment.first_step_at - segment.started_at
-        step = statistics.median(times)
-        top = self.fleet.registration.max_hosts  # the job file's, or less (`--hosts`)
-        saved = (self.job.steps - self.step_reached) * step * (1 - segment.hosts / top)
-        return saved > resize
+        decision = self.scaling.admit(self.view, None, state.since)
+        if isinstance(decision, policies.Wait):
+            return self._queue(decision.reason, state.since, state.recovery)
+        if isinstance(decision, policies.Fail):
+            return Failed(decision.reason)
+        self._event(EventKind.ADMITTED, hosts=decision.hosts, waited=round(self.clock() - state.since, 3))
+        return Planning(decision.hosts, state.recovery)
 
     # -- Starting ----------------------------------------------------------------------------
     def _starting(self, state: Starting) -> State:
         t = self.clock()
-        placed = {}
-        if self.fleet is not None:  # the hosts the fleet scheduler reserved for this job
-            placed = {"placements": self.fleet.placements(self.fleet.alive_hosts()[: state.hosts])}
-        elif isinstance(self.cluster, SlicedCluster):  # whole slices, slice-major, as the plan's devices
-            placed = {"nodes": self.cluster.alive_hosts()[: state.hosts]}
+        placed = self.cluster.placement(state.hosts)
+        config = HostGroupConfig(env_vars=self._host_env())
         try:
-            self.group = self.group_cls(state.hosts, HostGroupConfig(env_vars=self._host_env()), self.standby, **placed)
+            self.group = self.group_cls(state.hosts, config, self.standby, placed.reservations, placed.nodes)
         except HostsUnavailableError as e:
-            self.callbacks.on_warning(self, f"{e}; re-planning")
+            self.callbacks.on_warning(self.view, f"{e}; re-planning")
             return Planning(None, state.recovery, state.stalled)
         spawn = self.clock() - t
         plan_json = state.plan.to_json()
-        hooks = self.callbacks.test_hooks(self, state.hosts)
+        hooks = self.callbacks.test_hooks(self.view, state.hosts)
         slice_ids = self._slice_ids(self.group.node_ids)
         spec_for = lambda i, coordinator: dataclasses.replace(  # noqa: E731
             self._spec(i, coordinator, state.hosts, plan_json, hooks.get(i)),
@@ -300,8 +242,8 @@ class JobController:
         segment = Segment(len(self.segments), dict(state.plan.mesh), state.hosts, state.plan.devices_used,
                           state.plan.describe(), round(spawn, 3), round(t - self._t0, 3))  # fmt: skip
         self.segments.append(segment)
-        return Running(segment, state.target, self.step_reached, state.recovery, state.stalled,
-                       last_host_check=self.clock())  # fmt: skip
+        self._hosts_checked_at = self.clock()
+        return Running(segment, state.target, self.step_reached, state.recovery, state.stalled)
 
     def _host_env(self) -> dict:
         return {**self.cluster.host_env(), **self.config.env_vars}
@@ -313,17 +255,12 @@ class JobController:
             return None
         restore = None
         if self.segments:  # a new run's keepers hold nothing
-            restore = self.snapshots.newest(set(self._live_hosts()), after=self.committed())
-        slice_of = self.cluster.slice_of() if isinstance(self.cluster, SlicedCluster) else None
-        return self.snapshots.plans(self.group.node_ids, len(self.segments), restore, slice_of)
-
-    def _live_hosts(self) -> list[str]:
-        """Every live host, those of a slice that lost one included (their keepers hold snapshots)."""
-        return self.cluster.live_hosts() if isinstance(self.cluster, SlicedCluster) else self.cluster.alive_hosts()
+            restore = self.snapshots.newest(set(self.cluster.live_hosts()), after=self.committed())
+        return self.snapshots.plans(self.group.node_ids, len(self.segments), restore, self.cluster.slice_of())
 
     def _slice_ids(self, node_ids: list[str]) -> list[int]:
         """Each process's slice among the group's, numbered in process order (slice-major)."""
-        said = self.cluster.slice_of() if isinstance(self.cluster, SlicedCluster) else {}
+        said = self.cluster.slice_of()
         names = list(dict.fromkeys(said.get(node, "") for node in node_ids))
         return [names.index(said.get(node, "")) for node in node_ids]
 
@@ -363,16 +300,14 @@ class JobController:
             self._stop_group()
             return Failed(str(e))
         self._take(enumerate(statuses))
+        state = self.state  # the reports may have moved it on (a recovery ends with a step)
         self._send_ahead(state)
         if self._preempted():
             return state  # the next step begins the stop
         if all(s.done for s in statuses):
             return self._segment_ended(state)
-        self.callbacks.on_poll(self)
-        if self.fleet is not None:
-            self._follow_grant(state)
-        else:
-            self._maybe_grow(state)
+        self.callbacks.on_poll(self.view)
+        state = self._check_hosts(self.state)
         self.sleep(self.config.poll_interval_s)
         return state
 
@@ -383,7 +318,7 @@ class JobController:
                 self._on_report(host, report, speaker)
 
     def _on_report(self, host: int, report: Report, speaker: int | None) -> None:
-        self.callbacks.on_report(self, host, report, host == speaker)
+        self.callbacks.on_report(self.view, host, report, host == speaker)
         if host != speaker:
             return  # SPMD: every host reports the same steps; one speaks for the group
         handle = self._handlers.get(type(report))
@@ -396,27 +331,28 @@ class JobController:
         self.step_reached = max(self.step_reached, report.step)
         if self._shrunk_at is not None:
             self._shrunk_at = max(self._shrunk_at, report.step)  # steps the stopping group still finished
-        state, segment = self.state, self.segment
+        segment = self.segment
         if segment.first_step is None:
             segment.first_step, segment.first_step_at = report.step, round(self.now(), 3)
-            self._step_seconds.clear()  # the first step of a group includes waiting for its peers
+            self.step_seconds.clear()  # the first step of a group includes waiting for its peers
             self._prepare_next()  # once a segment, off the recovery path: it has its first step
         elif report.seconds:
-            self._step_seconds.append(report.seconds)
+            self.step_seconds.append(report.seconds)
         segment.last_step, segment.snapshot_every = report.step, report.snapshot_every
-        recovery = getattr(state, "recovery", None)
+        recovery = getattr(self.state, "recovery", None)
         if recovery is not None and not recovery.recovered:
-            recovery.recovered = True
-            self.callbacks.on_recovered(self, self.clock() - recovery.detected)
+            recovery = dataclasses.replace(recovery, recovered=True)
+            self._set(dataclasses.replace(self.state, recovery=recovery))
+            self.callbacks.on_recovered(self.view, self.clock() - recovery.detected)
         if recovery is not None and report.step > recovery.step:
-            state.recovery = None  # a step past the one reached at the loss: recovered from it
+            self._set(dataclasses.replace(self.state, recovery=None))  # past the step reached at the loss
 
     def _restored(self, report: Restore) -> dict:
         extra = {"committed": self.committed()}  # nothing committed is lost: step >= this
         recovery = getattr(self.state, "recovery", None)
         if recovery is not None and not recovery.restored:
             extra["recomputed"] = max(0, recovery.step - report.step)  # done before the loss, computed again
-            recovery.restored = True
+            self._set(dataclasses.replace(self.state, recovery=dataclasses.replace(recovery, restored=True)))
         elif self._shrunk_at is not None:  # likewise after a shrink the fleet asked for
             extra["recomputed"] = max(0, self._shrunk_at - report.step)
             self._shrunk_at = None
@@ -432,9 +368,8 @@ class JobController:
         slice, where slices fail whole)."""
         if self.standby is not None:
             self.standby.refill(self.cluster.alive_hosts(), self._host_env())
-        hosts, unit = self.segment.hosts, 1
-        if isinstance(self.cluster, SlicedCluster) and self.cluster.layout.fails_by == "slice":
-            unit = self.cluster.layout.hosts_per_slice or hosts
+        hosts = self.segment.hosts
+        unit = self.cluster.loss_unit(hosts)
         for n in (hosts - unit, hosts + unit):
             if self.job.hosts.min <= n <= self.job.hosts.max:
                 self.plans.plan_ahead(n * self.job.hosts.devices_per_host)
@@ -444,7 +379,7 @@ class JobController:
         programs while it trains and reports them: a group on that plan loads them instead."""
         for devices, plan in self.plans.made_ahead():
             if isinstance(plan, Exception):
-                self.callbacks.on_warning(self, f"planning ahead for {devices} devices failed: {plan}")
+                self.callbacks.on_warning(self.view, f"planning ahead for {devices} devices failed: {plan}")
             elif plan.devices_used < state.segment.devices:
                 self.group.compile_ahead(plan.to_json())
 
@@ -457,39 +392,23 @@ class JobController:
         self._stop_request = f"preemption notice: {path} appeared"
         return True
 
-    def _maybe_grow(self, state: Running) -> None:
-        if state.resize or self.clock() - state.last_host_check < self.config.host_check_interval_s:
-            return
-        state.last_host_check = self.clock()
+    def _check_hosts(self, state: Running) -> State:
+        """Every `host_check_interval_s`: a standby actor for a host that joined, and the scaling
+        policy asked whether to resize (a new state, the resize pending, if so)."""
+        if self.clock() - self._hosts_checked_at < self.config.host_check_interval_s:
+            return state
+        self._hosts_checked_at = self.clock()
         alive = self.cluster.alive_hosts()
         if self.standby is not None and state.segment.first_step is not None:
-            self.standby.refill(alive, self._host_env())  # a host that joined gets its standby actor
-        decision = self.scaling.on_progress(state.target, len(alive))
-        if isinstance(decision, policies.Resize):
-            state.resize, state.target = decision, decision.hosts
-            self._event(EventKind.HOST_ADDED, hosts=decision.hosts)
-            self.group.request_stop()
-
-    def _follow_grant(self, state: Running) -> None:
-        """On a shared cluster, resize as the fleet scheduler grants: fewer hosts at the next step
-        boundary (the step reached is committed: at most the step in flight is computed again),
-        none (suspended) likewise, more at the next checkpoint boundary once they are placed. A
-        shrink asked for while a grow waits for its boundary stops the group at once."""
-        if self.clock() - state.last_host_check < self.config.host_check_interval_s:
-            return
-        state.last_host_check = self.clock()
-        grant = self.fleet.report()
-        if grant.target < state.target:
-            kind = EventKind.SUSPEND if grant.target == 0 else EventKind.SHRINK
-            state.resize, state.target = policies.Resize(grant.target, grant.reason), grant.target
-            self._event(kind, hosts=grant.target, reason=grant.reason)
+            self.standby.refill(alive, self._host_env())
+        decision = self.scaling.while_running(self.view, state, alive)
+        if not isinstance(decision, policies.Resize):
+            return state
+        if decision.hosts < state.target:
             self._shrunk_at = self.step_reached  # updated as the group reports steps up to its stop
-            self.group.request_stop(now=True)
-        elif not state.resize and grant.target > state.target and len(self.fleet.alive_hosts()) >= grant.target:
-            reason = f"{grant.target - state.target} more host(s) granted"
-            state.resize, state.target = policies.Resize(grant.target, reason), grant.target
-            self._event(EventKind.GROW, hosts=grant.target, reason=reason)
-            self.group.request_stop()
+        self._event(decision.event, hosts=decision.hosts, reason=decision.reason)
+        self.group.request_stop(now=decision.at_once)
+        return dataclasses.replace(state, resize=decision, target=decision.hosts)
 
     def _segment_ended(self, state: Running | Stopping) -> State:
         """Every host of the group is done: the job finished, was stopped, or goes on elsewhere."""
@@ -509,7 +428,7 @@ class JobController:
 
     def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None) -> State:
         detected = self.clock()
-        alive, live = set(self.cluster.alive_hosts()), set(self._live_hosts())  # usable; every live one
+        alive, live = set(self.cluster.alive_hosts()), set(self.cluster.live_hosts())  # usable; every live one
         nodes = self.group.node_ids
         # Every host of the group whose node is gone, the poll's or not (a slice's hosts can die one
         # after the other); a process that died on a live node went down with them (on CPU a lost
@@ -519,7 +438,7 @@ class JobController:
         left = [n for n in nodes if n in live and n not in alive]
         if left:  # a slice does not run with a host missing: its other hosts leave the group too
             self.callbacks.on_warning(
-                self, f"{len(left)} host(s) of the slice that lost a host leave the group with it"
+                self.view, f"{len(left)} host(s) of the slice that lost a host leave the group with it"
             )
         caused = self.callbacks.lost_at(e.node_ids)
         failures = recovery.failures + 1 if recovery is not None else 1

@@ -1,13 +1,18 @@
 """Policies make decisions; the controller only executes them.
 
-A decision is a small frozen value. `ScalingPolicy` decides how many hosts to run on at start and
-when to grow; `FailurePolicy` decides what a failure means: resize onto the hosts left, restart on
-the same hosts, or fail the job with a reason.
+A decision is a small frozen value. A scaling policy decides how many hosts to run on when a
+group starts (`admit`) and whether to resize while one trains (`while_running`): `ScalingPolicy`
+takes what a cluster of its own offers, `fleet_following.FleetFollowing` what the fleet scheduler
+grants on a shared one. `FailurePolicy` decides what a failure means: resize onto the hosts left,
+restart on the same hosts, or fail the job with a reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
+
+from ..protocol import EventKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +24,8 @@ class Continue:
 class Resize:
     hosts: int
     reason: str
+    event: str = EventKind.HOST_ADDED  # what the run summary says of it, made while a group trains
+    at_once: bool = False  # stop the group at its next step boundary, not its next checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +39,11 @@ class Fail:
     reason: str
 
 
-Decision = Continue | Resize | Restart | Fail
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """No hosts to start on yet (a shared cluster): the job queues, saying why."""
+
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +57,33 @@ class Failure:
     failures_in_a_row: int  # earlier failures since the job last got past the step it had reached
 
 
+class Scaling(Protocol):
+    """What the controller asks a scaling policy (`view`: a `control.view.ControllerView`)."""
+
+    def attach(self, view) -> None:
+        """The controller is made; `view` reads its job from now on."""
+
+    def admit(self, view, wanted: int | None, since: float) -> Resize | Wait | Fail:
+        """The hosts the next group starts on: `wanted` (a count settled before, by this policy or
+        the failure policy), else as at a job's start. `since`: when the job began to wait for
+        hosts (controller clock)."""
+        ...
+
+    def while_running(self, view, state, alive: list[str]) -> Continue | Resize:
+        """Whether the training group (`state`, a `Running`) should resize, the cluster offering
+        `alive` hosts."""
+        ...
+
+    def status(self) -> str:
+        """Why the job runs on fewer hosts than it could, where the policy knows; else ""."""
+        return ""
+
+
 @dataclasses.dataclass(frozen=True)
-class ScalingPolicy:
+class ScalingPolicy(Scaling):
+    """A cluster of the job's own: start on what it offers, up to `max_hosts`, and grow when it
+    offers more."""
+
     min_hosts: int
     max_hosts: int
 
@@ -62,6 +98,19 @@ class ScalingPolicy:
         if target > current:
             return Resize(target, f"{available - current} more host(s) available")
         return Continue()
+
+    def admit(self, view, wanted: int | None, since: float) -> Resize | Wait | Fail:
+        """Never more than the cluster offers now."""
+        available = len(view.cluster.alive_hosts())
+        decision = self.initial(available) if wanted is None else Resize(wanted, "")
+        if isinstance(decision, Fail):
+            return decision
+        return Resize(min(decision.hosts, available), decision.reason)  # hosts may have gone since
+
+    def while_running(self, view, state, alive: list[str]) -> Continue | Resize:
+        if state.resize:
+            return Continue()
+        return self.on_progress(state.target, len(alive))
 
 
 @dataclasses.dataclass(frozen=True)

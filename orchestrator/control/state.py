@@ -13,7 +13,8 @@
     Running --more hosts granted--> stop at the next checkpoint --> Planning
 
 A host loss is recovered from across several states: `Recovery` rides along from the loss to the
-first step computed past it.
+first step computed past it. States are frozen: every change, a resize decided or a recovery's
+progress included, is a new state that the callbacks see (`ControllerCallback.on_state`).
 """
 
 from __future__ import annotations
@@ -41,16 +42,6 @@ class Phase(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class FleetProgress:
-    """What a job on a shared cluster tells the fleet scheduler with each heartbeat: what a
-    shrink would cost it now, and whether growing would pay for its resize."""
-
-    since_snapshot: int = 0  # steps a shrink now would compute again
-    smaller_ready: bool = False  # a plan and executables for one host fewer are ready
-    grows: bool = True
-
-
-@dataclasses.dataclass
 class Recovery:
     """A host loss being recovered from."""
 
@@ -97,7 +88,7 @@ class Segment:
         return {**out, **{f"median_{k}": v for k, v in self.medians.items()}}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class State:
     PHASE: ClassVar[Phase]
 
@@ -106,7 +97,7 @@ class State:
         return self.PHASE
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Planning(State):
     PHASE = Phase.PLANNING
     target: int | None = None  # hosts the next segment should run on; None: as the scaling policy starts a job
@@ -115,7 +106,7 @@ class Planning(State):
     decision: Resize | Restart | None = None  # the failure policy's, after a host loss
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Queued(State):
     """Waiting for the fleet scheduler to grant hosts (at the start, or suspended)."""
 
@@ -125,7 +116,7 @@ class Queued(State):
     recovery: Recovery | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Starting(State):
     PHASE = Phase.STARTING
     plan: object
@@ -138,7 +129,7 @@ class Starting(State):
     planning_wall: tuple[float, float] = (0.0, 0.0)  # when planning began and ended, wall clock
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Running(State):
     PHASE = Phase.RUNNING
     segment: Segment
@@ -146,11 +137,10 @@ class Running(State):
     started_after: int  # the step the segment started after
     recovery: Recovery | None = None
     stalled: int = 0
-    resize: Resize | None = None  # more hosts: the group stops at its next checkpoint boundary
-    last_host_check: float = 0.0
+    resize: Resize | None = None  # a resize decided: the group stops at its next boundary
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Stopping(State):
     PHASE = Phase.STOPPING
     segment: Segment
@@ -158,13 +148,13 @@ class Stopping(State):
     deadline: float  # controller clock: hosts that have not finished by then are stopped
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Finished(State):
     PHASE = Phase.FINISHED
     reason: str = ""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Failed(State):
     PHASE = Phase.FAILED
     reason: str
@@ -177,7 +167,7 @@ class StopOutcome(enum.Enum):
     AT_ONCE = "stopped at once"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Stopped(State):
     PHASE = Phase.STOPPED
     reason: str

@@ -4,7 +4,8 @@ reservations, and what it no longer runs on it gives back.
 
 A thread reports to the scheduler every `FleetClusterConfig.heartbeat_s` while the job lives
 (whatever the controller is doing: a long compile must not look like a dead driver), carrying what
-a shrink would cost the job now; each report answers with the job's grant.
+a shrink would cost the job now (`attach`: the job's progress, handed in by whoever follows the
+grant, `control.fleet_following`); each report answers with the job's grant.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from ..control.state import FleetProgress
 from ..hosts.cluster import RayCluster
 from ..hosts.group import alive_hosts
-from .scheduler import FleetSchedulerConfig, Grant, Registration, start
+from ..hosts.interface import Placement
+from ..hosts.slices import host_slices
+from ..protocol.fleet import FleetProgress, Grant, Registration
+from .scheduler import FleetSchedulerConfig, start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +35,7 @@ class FleetCluster(RayCluster):
         super().__init__(address)
         self.run, self.config, self.registration = registration.run, config, registration
         self.scheduler = start(config.scheduler)
-        self.progress: Callable[[], FleetProgress] = FleetProgress  # the controller's, once it runs
+        self._progress: Callable[[], FleetProgress] = FleetProgress  # nothing known until `attach`
         self._lock = threading.Lock()
         self._grant = self._call("register", dataclasses.asdict(registration))
         self._stop = threading.Event()
@@ -44,8 +47,12 @@ class FleetCluster(RayCluster):
         with self._lock:
             return self._grant
 
+    def attach(self, progress: Callable[[], FleetProgress]) -> None:
+        """Report the job's progress (what `progress()` answers) with every heartbeat from now on."""
+        self._progress = progress
+
     def report(self) -> Grant:
-        p = self.progress()
+        p = self._progress()
         return self._call("report", self.run, p.since_snapshot, p.smaller_ready, p.grows)
 
     def alive_hosts(self) -> list[str]:
@@ -57,13 +64,21 @@ class FleetCluster(RayCluster):
         """Every live host of the cluster, this job's and the others' and the idle ones."""
         return len(alive_hosts())
 
-    def placements(self, node_ids: Sequence[str]) -> list:
+    def slice_of(self) -> dict[str, str]:
+        """The slices of this job's hosts, as the hosts say them."""
+        mine = set(self.alive_hosts())
+        return {node: name for node, name in host_slices().items() if node in mine}
+
+    def placement(self, hosts: int) -> Placement:
+        return self.placement_on(self.alive_hosts()[:hosts])
+
+    def placement_on(self, node_ids: Sequence[str]) -> Placement:
         """The reservation (a placement group) of each of `node_ids`, for the host actors there."""
         from ray._raylet import PlacementGroupID
         from ray.util.placement_group import PlacementGroup
 
         groups = dict(self.grant.hosts)
-        return [PlacementGroup(PlacementGroupID(bytes.fromhex(groups[n]))) for n in node_ids]
+        return Placement(reservations=[PlacementGroup(PlacementGroupID(bytes.fromhex(groups[n]))) for n in node_ids])
 
     def release(self, node_ids: Sequence[str]) -> Grant:
         return self._call("release", self.run, list(node_ids))

@@ -16,7 +16,7 @@ time; any other job gets hosts packed into the slices it already has, then into 
 broken into, keeping whole slices free for those that need them. A pinned reservation whose host
 died is dropped (Ray cannot place it elsewhere), and the job is granted hosts again.
 
-The controllers speak to it in plain dicts (`Registration`, `Grant`), so that a scheduler
+The controllers speak to it in plain dicts (`protocol.fleet`: `Registration`, `Grant`), so that a scheduler
 started by one version of remesh answers another's jobs. A job that stops reporting for
 `FleetSchedulerConfig.lost_after_s` (its driver died) is dropped and its hosts freed.
 """
@@ -28,45 +28,16 @@ import dataclasses
 import itertools
 import time
 
+from ..protocol.fleet import HOST_RESOURCE, Grant, Registration
 from .config import check_queue
 from .policy import FleetPolicyConfig, JobView, Quota, allocate
 
 NAME, NAMESPACE = "remesh-fleet", "remesh"
-HOST_RESOURCE = "remesh_host"
 NODE_LABEL = "ray.io/node-id"  # Ray's own label on every node: pins a reservation to one host
 # A job's reservations that hold a host for it: placed (CREATED), or being placed for the first
 # time: waiting for a host (PENDING) or between the two phases of Ray's placement (PREPARED).
 # RESCHEDULING ones lost their host; Ray places them again where one is free.
 RESERVED = ("PENDING", "PREPARED", "CREATED")
-
-
-@dataclasses.dataclass(frozen=True)
-class Registration:
-    run: str  # the submission's id: one per attempt at a job
-    job: str
-    priority: int
-    queue: str
-    min_hosts: int
-    max_hosts: int
-    checkpoint_dir: str
-    slice_hosts: int = 0  # hosts of a slice it runs whole (a TPU job); 0: hosts one by one
-
-
-@dataclasses.dataclass(frozen=True)
-class Grant:
-    """What a job may do now: run on `target` hosts, on the reserved `hosts` (node id, placement
-    group id) that Ray has placed; `state` "queued" (target 0: wait, or give every host back)
-    or "running"; `reason`: why it holds fewer than its maximum."""
-
-    run: str
-    state: str
-    target: int
-    hosts: tuple[tuple[str, str], ...]
-    reason: str
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Grant:
-        return cls(d["run"], d["state"], d["target"], tuple(tuple(h) for h in d["hosts"]), d["reason"])
 
 
 @dataclasses.dataclass(frozen=True)

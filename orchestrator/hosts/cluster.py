@@ -1,8 +1,9 @@
-"""Where hosts come from. `LocalCluster` embeds a real Ray cluster on this machine whose "hosts"
-are Ray nodes (one raylet each) carrying the `remesh_host` resource, each emulating a host of N fake
-CPU devices; `RayCluster` attaches to a running cluster of real hosts. Both answer `alive_hosts()`
-and say what environment host processes need (`host_env`); only the local one can kill and add
-hosts (chaos).
+"""Where hosts come from. `Cluster` is what the controller asks of every cluster, whatever it is:
+`LocalCluster` embeds a real Ray cluster on this machine whose "hosts" are Ray nodes (one raylet
+each) carrying the `remesh_host` resource, each emulating a host of N fake CPU devices;
+`RayCluster` attaches to a running cluster of real hosts; `fleet.cluster.FleetCluster` is the share
+of one that the fleet scheduler grants a job; `slices.SlicedCluster` sees any of them through its
+slices. Only the local one can kill, stop and add hosts (`EmulatedHosts`, for fault injection).
 
 Token authentication stays on: the local cluster writes a fresh token (mode 0600) into its state
 directory and points RAY_AUTH_TOKEN_PATH at it before any Ray process starts.
@@ -20,8 +21,10 @@ import warnings
 
 import ray
 
-from .group import HOST_RESOURCE, alive_hosts
-from .slices import SLICE_RESOURCE
+from ..protocol.fleet import HOST_RESOURCE
+from .group import alive_hosts
+from .interface import Cluster
+from .slices import SLICE_RESOURCE, host_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,7 @@ class LocalClusterConfig:
         return LocalCluster(self)
 
 
-class LocalCluster:
+class LocalCluster(Cluster):
     def __init__(self, config: LocalClusterConfig):
         from ray.cluster_utils import Cluster
 
@@ -90,7 +93,7 @@ class LocalCluster:
     def alive_hosts(self) -> list[str]:
         return alive_hosts()
 
-    def host_slices(self) -> dict[str, str]:
+    def slice_of(self) -> dict[str, str]:
         """Each live host's slice, where laid out in slices (else {})."""
         return {node: self._slices[node] for node in self.alive_hosts() if node in self._slices}
 
@@ -136,7 +139,7 @@ class LocalCluster:
         self._cluster.shutdown()  # with no nodes left: only Ray's module state is reset
 
 
-class RayCluster:
+class RayCluster(Cluster):
     """A running Ray cluster (`ray start`), reached at `address`: real hosts, real devices."""
 
     def __init__(self, address: str = "auto"):
@@ -146,8 +149,8 @@ class RayCluster:
     def alive_hosts(self) -> list[str]:
         return alive_hosts()
 
-    def host_env(self) -> dict[str, str]:
-        return {}
+    def slice_of(self) -> dict[str, str]:
+        return host_slices()
 
     def shutdown(self) -> None:
         ray.shutdown()

@@ -18,10 +18,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..protocol import Report, SegmentSpec, from_dict
+from ..protocol.fleet import HOST_RESOURCE
 from .actor import actor_cls
 from .standby import StandbyPool
-
-HOST_RESOURCE = "remesh_host"
 
 # What Ray raises for an actor whose host is gone: it died there, or it was placed on a node (or
 # in a placement group) that went away before it started, which Ray reports as unschedulable.

@@ -18,7 +18,8 @@ import collections
 import ray
 
 from ..job.slices import SliceLayout
-from .group import HOST_RESOURCE
+from ..protocol.fleet import HOST_RESOURCE
+from .interface import Cluster, Placement
 
 __all__ = ["SliceLayout", "SliceLayoutError", "SlicedCluster", "cluster_layout", "host_slices"]
 
@@ -74,37 +75,53 @@ def _slice_of(node: dict) -> str | None:
     return names[0] if names else None
 
 
-class SlicedCluster:
+class SlicedCluster(Cluster):
     """A cluster seen through its slices: `alive_hosts()` are the hosts a group may run on
     (`SliceLayout.usable`), slice-major; `live_hosts()` every live host (a broken slice's
-    survivors still hold peer snapshots). Everything else is the wrapped cluster's."""
+    survivors still hold peer snapshots). It adds slices to the cluster it wraps and forwards
+    nothing else: fault injection and the fleet's heartbeat are given the wrapped cluster."""
 
-    def __init__(self, cluster, layout: SliceLayout):
+    def __init__(self, cluster: Cluster, layout: SliceLayout):
         self.cluster, self.layout = cluster, layout
 
-    def __getattr__(self, name):
-        return getattr(self.cluster, name)
-
     def slice_of(self) -> dict[str, str]:
-        """Each of this job's live hosts' slice: as a cluster that lays its hosts out says (the
-        embedded one), else as the hosts say (`host_slices`); on a shared cluster, of the hosts
-        granted to this job."""
-        own = getattr(self.cluster, "host_slices", None)
-        said = own() if own is not None else host_slices()
+        """Each of this job's live hosts' slice: as the wrapped cluster says (the embedded one
+        lays its hosts out; a Ray cluster's hosts say theirs; a shared cluster's are those granted
+        to this job); where none says one, every host its own slice or one slice of all."""
+        said = self.cluster.slice_of()
         if said:
-            mine = set(self.cluster.alive_hosts())
-            return {node: name for node, name in said.items() if node in mine}
+            return said
         per = self.layout.hosts_per_slice
         if per not in (None, 1):
             raise SliceLayoutError(
                 f"the job sets {per} hosts per slice but the cluster's hosts say no slice: give every host the label "
                 f'{SLICE_LABELS[1]}=NAME or the resource {SLICE_RESOURCE}NAME (README, "Slices")'
             )
-        alive = self.cluster.alive_hosts()  # flat: every host its own slice, or one slice of all
+        alive = self.cluster.alive_hosts()
         return {node: str(i) if per == 1 else "0" for i, node in enumerate(alive)}
 
     def alive_hosts(self) -> list[str]:
         return self.layout.usable(self.slice_of())
 
     def live_hosts(self) -> list[str]:
-        return self.cluster.alive_hosts()
+        return self.cluster.live_hosts()
+
+    def loss_unit(self, hosts: int) -> int:
+        if self.layout.fails_by != "slice":
+            return 1
+        return self.layout.hosts_per_slice or hosts  # no size said: the group is one slice
+
+    def host_env(self) -> dict[str, str]:
+        return self.cluster.host_env()
+
+    def placement(self, hosts: int) -> Placement:
+        return self.cluster.placement_on(self.alive_hosts()[:hosts])  # whole slices, slice-major
+
+    def placement_on(self, nodes) -> Placement:
+        return self.cluster.placement_on(nodes)
+
+    def cluster_hosts(self) -> int:
+        return self.cluster.cluster_hosts()
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()

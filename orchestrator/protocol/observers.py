@@ -77,7 +77,7 @@ class ControllerCallback:
     def on_end(self, controller) -> None:
         """`run()` ends, in any way."""
 
-    # -- where fault injection reaches in (testing/chaos.py); nothing elsewhere uses these ---------
+    # -- where fault injection reaches in (orchestrator/chaos.py); nothing elsewhere uses these ---------
     def test_hooks(self, controller, hosts: int) -> dict[int, HookRef]:
         """Hooks to attach to hosts of a group about to start: host index -> hook."""
         return {}

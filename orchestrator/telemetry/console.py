@@ -66,18 +66,18 @@ class ConsoleCallback(ControllerCallback):
     def __init__(self, printer: Callable[[str], None] | None = None):
         self.print = printer or (lambda line: print(line, flush=True))
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         line = {
             Phase.STARTING: self._plan,
             Phase.PLANNING: self._decision,
             Phase.STOPPING: self._stopping,
             Phase.STOPPED: self._stopped,
             Phase.FAILED: lambda c, s: f"fail  {s.reason}",
-        }.get(state.phase, lambda c, s: None)(controller, state)
+        }.get(state.phase, lambda c, s: None)(view, state)
         if line:
             self.print(line)
 
-    def _plan(self, controller, state) -> str:
+    def _plan(self, view, state) -> str:
         plan, flag = state.plan, " (planned ahead)" if state.ahead else " (cached)" if state.cached else ""
         lines = [f"plan  {plan.describe()} on {state.hosts} hosts{flag}", *(f"      note: {n}" for n in plan.notes)]
         if state.hosts < state.target:
@@ -85,33 +85,33 @@ class ConsoleCallback(ControllerCallback):
                          f"the plan uses {plan.devices_used} devices")  # fmt: skip
         return "\n".join(lines)
 
-    def _decision(self, controller, state) -> str | None:
+    def _decision(self, view, state) -> str | None:
         d = state.decision
         return f"      {type(d).__name__.lower()} onto {d.hosts} hosts: {d.reason}" if d is not None else None
 
-    def _stopping(self, controller, state) -> str:
-        grace = controller.config.stop_grace_s
+    def _stopping(self, view, state) -> str:
+        grace = view.config.stop_grace_s
         return f"stop  {state.reason}: saving the step reached, then stopping (at most {grace:.0f} s)"
 
-    def _stopped(self, controller, state) -> str:
+    def _stopped(self, view, state) -> str:
         return {
-            StopOutcome.AT_ONCE: f"stop  {state.reason}: stopped at once after step {controller.step_reached}",
-            StopOutcome.COMMITTED: f"      step {controller.step_reached} committed; hosts stopped",
+            StopOutcome.AT_ONCE: f"stop  {state.reason}: stopped at once after step {view.step_reached}",
+            StopOutcome.COMMITTED: f"      step {view.step_reached} committed; hosts stopped",
             StopOutcome.HOSTS_FAILED: f"      hosts failed while stopping ({state.detail}); the newest commit stands",
-            StopOutcome.GRACE_OVER: f"      hosts did not finish within {controller.config.stop_grace_s:.0f} s; "
+            StopOutcome.GRACE_OVER: f"      hosts did not finish within {view.config.stop_grace_s:.0f} s; "
             "stopping them",
         }[state.outcome]
 
-    def on_report(self, controller, host, report, speaker) -> None:
+    def on_report(self, view, host, report, speaker) -> None:
         if not speaker:
             return
         if isinstance(report, Step):
-            self._progress(controller, report)
+            self._progress(view, report)
         elif isinstance(report, SnapshotUnusable):
             self.print(f"      the snapshot in host memory is unusable ({report.error[:200]}); restoring from disk")
 
-    def _progress(self, controller, r: Step) -> None:
-        segment, steps = controller.segment, controller.job.steps
+    def _progress(self, view, r: Step) -> None:
+        segment, steps = view.segment, view.job.steps
         first = segment.first_step if segment.first_step is not None else r.step
         if r.step % 10 and r.step != steps and r.step != first:
             return
@@ -123,7 +123,7 @@ class ConsoleCallback(ControllerCallback):
             f"MFU {r.mfu:.2%}  mesh {mesh}  hosts {segment.hosts}"
         )
 
-    def on_event(self, controller, event) -> None:
+    def on_event(self, view, event) -> None:
         f, step = event.fields, event.step
         line = {
             EventKind.HOST_LOST: lambda: (
@@ -131,17 +131,13 @@ class ConsoleCallback(ControllerCallback):
                 + (f", process(es) {f['processes']} down with them" if f.get("processes") else "")
                 + f" ({f['detail']})"
             ),
-            EventKind.HOST_ADDED: lambda: (
-                f"grow  {controller.state.resize.reason}: resizing to {f['hosts']} hosts at the next checkpoint"
-            ),
+            EventKind.HOST_ADDED: lambda: f"grow  {f['reason']}: resizing to {f['hosts']} hosts at the next checkpoint",
             ReportKind.RESTORE: lambda: (
                 f"      restored step {step} from "
                 f"{'host memory' if f.get('source') == 'memory' else 'disk'} in {event.seconds:.2f} s"
                 + (f"; {f['recomputed']} steps to compute again" if "recomputed" in f else "")
             ),
-            ReportKind.EVAL: lambda: (
-                f"eval  {step:>5}/{controller.job.steps}  loss {f['loss']:.4f}  ({event.seconds:.2f} s)"
-            ),
+            ReportKind.EVAL: lambda: f"eval  {step:>5}/{view.job.steps}  loss {f['loss']:.4f}  ({event.seconds:.2f} s)",
             ReportKind.COMPILE_AHEAD: lambda: (
                 f"      compiling ahead for {f.get('devices', '?')} devices "
                 + (f"failed: {f['error'][:200]}" if "error" in f else f"done in {event.seconds:.1f} s")
@@ -157,8 +153,8 @@ class ConsoleCallback(ControllerCallback):
         if line:
             self.print(line())
 
-    def on_recovered(self, controller, seconds: float) -> None:
+    def on_recovered(self, view, seconds: float) -> None:
         self.print(f"      recovered in {seconds:.1f} s")
 
-    def on_warning(self, controller, text: str) -> None:
+    def on_warning(self, view, text: str) -> None:
         self.print(f"warn  {text}")

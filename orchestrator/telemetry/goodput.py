@@ -187,15 +187,15 @@ class GoodputCallback(ControllerCallback):
         self.loss_badput: list[dict] = []  # per host loss: the badput from the loss to the first step past it
         self._at_host_loss: dict | None = None  # the ledger when the loss being recovered from was detected
 
-    def on_attach(self, controller) -> None:
-        self.ledger = Ledger(controller.started_wall)
+    def on_attach(self, view) -> None:
+        self.ledger = Ledger(view.started_wall)
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         if state.phase is Phase.QUEUED and previous.phase is not Phase.QUEUED:
-            self.ledger.fill(controller.wall())
+            self.ledger.fill(view.wall())
             self.ledger.gap = "queued"
         elif previous.phase is Phase.QUEUED and state.phase is not Phase.QUEUED:
-            self.ledger.fill(controller.wall(), "queued")
+            self.ledger.fill(view.wall(), "queued")
             self.ledger.gap = "startup"
         if state.phase is Phase.STARTING:
             self.ledger.add("planning", *state.planning_wall)
@@ -203,26 +203,26 @@ class GoodputCallback(ControllerCallback):
         elif state.phase is Phase.RUNNING and previous.phase is Phase.STARTING:
             self.segments.append(Throughput())
 
-    def on_event(self, controller, event) -> None:
+    def on_event(self, view, event) -> None:
         if event.kind == EventKind.HOST_LOST:
             if self._at_host_loss is None:  # a loss during a recovery is charged to the first
                 self._at_host_loss = dict(self.ledger.seconds)
             # From the last report to now the group was failing, and until the next plan it is torn down.
-            self.ledger.fill(controller.wall(), "lost")
+            self.ledger.fill(view.wall(), "lost")
             self.ledger.gap = "lost"
 
-    def on_report(self, controller, host, report, speaker) -> None:
+    def on_report(self, view, host, report, speaker) -> None:
         if not speaker:
             return
         if isinstance(report, Step):
-            self._step(controller, report)
+            self._step(view, report)
             return
         if isinstance(report, Compile):
             self.throughput.model_flops_per_step = report.model_flops
         if report.CATEGORY is not None and report.at is not None:
             self.ledger.add(report.CATEGORY, report.at - report.seconds, report.at)
 
-    def _step(self, controller, r: Step) -> None:
+    def _step(self, view, r: Step) -> None:
         self.throughput.add(r)
         self.segments[-1].add(r)
         begun = r.at - r.seconds
@@ -233,8 +233,8 @@ class GoodputCallback(ControllerCallback):
         if copied > 0:  # and the copy of a peer snapshot: checkpoint badput
             self.ledger.add("checkpoint", begun + waited, begun + waited + copied)
         # A step is useful the first time it is done; again after a restore, it is progress lost.
-        self.ledger.add(USEFUL if r.step > controller.step_reached else "lost", begun, r.at)
-        recovery = getattr(controller.state, "recovery", None)
+        self.ledger.add(USEFUL if r.step > view.step_reached else "lost", begun, r.at)
+        recovery = getattr(view.state, "recovery", None)
         if recovery is not None and r.step > recovery.step and self._at_host_loss is not None:
             self._charge_host_loss()
 
@@ -246,8 +246,8 @@ class GoodputCallback(ControllerCallback):
         charged = {k: round(v - before[k], 4) for k, v in self.ledger.seconds.items() if k != USEFUL}
         self.loss_badput.append({"total": round(sum(charged[k] for k in HOST_LOSS_BADPUT), 4), **charged})
 
-    def breakdown(self, controller) -> dict:
-        return self.ledger.breakdown(controller.wall())
+    def breakdown(self, view) -> dict:
+        return self.ledger.breakdown(view.wall())
 
     def segment_medians(self, segments) -> None:
         """Each segment's median step seconds, tokens per second and MFU."""

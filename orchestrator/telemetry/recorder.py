@@ -130,20 +130,20 @@ class RecorderCallback(ControllerCallback):
     def __init__(self, recorder: Recorder, goodput, summary):
         self.recorder, self.goodput, self.summary = recorder, goodput, summary
 
-    def on_start(self, controller) -> None:
+    def on_start(self, view) -> None:
         self.recorder.started()
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         queued = Phase.QUEUED in (state.phase, previous.phase)
         if (state.phase is Phase.RUNNING and previous.phase is Phase.STARTING) or queued:
-            self._status(controller)
+            self._status(view)
             self.recorder.flush()
 
-    def on_report(self, controller, host, report, speaker) -> None:
+    def on_report(self, view, host, report, speaker) -> None:
         if isinstance(report, Step):
-            self.recorder.step(host, len(controller.segments), step_record(report), speaker=speaker)
+            self.recorder.step(host, len(view.segments), step_record(report), speaker=speaker)
         elif isinstance(report, Restore) and speaker and report.reported:
-            self._unreported(controller.step_reached, report)
+            self._unreported(view.step_reached, report)
 
     def _unreported(self, done: int, report: Restore) -> None:
         """Steps up to the restored one whose reports never came: a group that went before its
@@ -156,33 +156,33 @@ class RecorderCallback(ControllerCallback):
         for r in report.unreported(done):
             self.recorder.step(0, reported["segment"] + 1, r, speaker=False)
 
-    def on_event(self, controller, event) -> None:
+    def on_event(self, view, event) -> None:
         e = event.to_dict()
-        self.recorder.event({**e, "at": controller.started_wall + e["at"]})  # the store keeps wall-clock times
+        self.recorder.event({**e, "at": view.started_wall + e["at"]})  # the store keeps wall-clock times
 
-    def on_poll(self, controller) -> None:
+    def on_poll(self, view) -> None:
         if self.recorder.due():  # medians over every step: not at every poll
-            self._status(controller)
+            self._status(view)
             self.recorder.flush()
 
-    def on_end(self, controller) -> None:
-        self._status(controller)
+    def on_end(self, view) -> None:
+        self._status(view)
         self.recorder.close()
 
-    def _status(self, controller) -> None:
-        segment, summary = controller.segment, self.summary.summary
-        goodput = summary.goodput or self.goodput.breakdown(controller)
+    def _status(self, view) -> None:
+        segment, summary = view.segment, self.summary.summary
+        goodput = summary.goodput or self.goodput.breakdown(view)
         recent = self.goodput.throughput.recent(20)
         self.goodput.segment_medians(summary.segments)
-        held = segment is not None and controller.phase is not Phase.QUEUED
+        held = segment is not None and view.phase is not Phase.QUEUED
         self.recorder.status(
-            state=controller.phase.value,
-            steps_completed=controller.step_reached,
+            state=view.phase.value,
+            steps_completed=view.step_reached,
             mesh=segment.mesh if held else {},
             hosts=segment.hosts if held else 0,
             devices=segment.devices if held else 0,
-            reason=_reason(controller, summary),
-            cluster_hosts=_cluster_hosts(controller),
+            reason=_reason(view, summary),
+            cluster_hosts=view.cluster.cluster_hosts(),
             tokens_per_second=recent["tokens_per_second"],
             mfu=recent["mfu"],
             goodput_ratio=goodput["goodput_ratio"],
@@ -192,19 +192,11 @@ class RecorderCallback(ControllerCallback):
         )
 
 
-def _reason(controller, summary) -> str:
+def _reason(view, summary) -> str:
     """What the job's status says beside its state: why it waits (queued), why it runs on fewer
     hosts than it could (a shared cluster's grant), or how it ended."""
-    if controller.phase is Phase.QUEUED:
-        return controller.state.reason
-    fleet = getattr(controller, "fleet", None)
-    if fleet is not None and controller.phase is Phase.RUNNING:
-        return fleet.grant.reason
+    if view.phase is Phase.QUEUED:
+        return view.state.reason
+    if view.phase is Phase.RUNNING and (status := view.scaling_status()):
+        return status
     return summary.reason or ""
-
-
-def _cluster_hosts(controller) -> int:
-    """How many hosts the cluster offers all its jobs (a shared cluster's, for its idle hosts);
-    0 where the job sees only its own."""
-    count = getattr(controller.cluster, "cluster_hosts", None)
-    return count() if count is not None else 0

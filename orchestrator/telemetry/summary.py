@@ -125,18 +125,18 @@ class SummaryCallback(ControllerCallback):
         self.goodput = goodput
         self.summary: RunSummary | None = None
 
-    def on_attach(self, controller) -> None:
-        self.summary = RunSummary(job=controller.job.name, steps=controller.job.steps)
+    def on_attach(self, view) -> None:
+        self.summary = RunSummary(job=view.job.name, steps=view.job.steps)
         self.summary.loss_badput = self.goodput.loss_badput
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING:
             self.summary.segments.append(state.segment)
         elif state.phase is Phase.STOPPING or state.phase.is_terminal:
             self.summary.reason = state.reason or self.summary.reason  # a job that finishes while stopping keeps why
-            self.summary.reached(controller.step_reached)
+            self.summary.reached(view.step_reached)
 
-    def on_report(self, controller, host, report, speaker) -> None:
+    def on_report(self, view, host, report, speaker) -> None:
         if not speaker:
             return
         if isinstance(report, Step):
@@ -144,7 +144,7 @@ class SummaryCallback(ControllerCallback):
         elif isinstance(report, Eval):
             self.summary.record_eval(report.step, report.loss, report.metrics)
         elif isinstance(report, Restore):
-            self._unreported(controller.step_reached, report)
+            self._unreported(view.step_reached, report)
             self.summary.reached(report.step)  # a resumed run starts from there
 
     def _unreported(self, done: int, report: Restore) -> None:
@@ -156,18 +156,18 @@ class SummaryCallback(ControllerCallback):
         for r in report.unreported(done):
             self.summary.record_step(r["step"], r["loss"], r.get("metrics"))
 
-    def on_event(self, controller, event) -> None:
+    def on_event(self, view, event) -> None:
         e = self.summary.event(event.kind, step=event.step, at=event.at, seconds=event.seconds, **event.fields)
         if event.kind == Restore.KIND and "recomputed" in e:
             self.summary.recomputed_steps.append(e["recomputed"])
 
-    def on_recovered(self, controller, seconds: float) -> None:
+    def on_recovered(self, view, seconds: float) -> None:
         self.summary.recovery_seconds.append(round(seconds, 3))
 
-    def on_end(self, controller) -> None:
+    def on_end(self, view) -> None:
         s = self.summary
-        s.state, s.wall_seconds = controller.phase.value, controller.now()
-        s.goodput = self.goodput.breakdown(controller)
+        s.state, s.wall_seconds = view.phase.value, view.now()
+        s.goodput = self.goodput.breakdown(view)
         s.throughput = self.goodput.throughput.summary()
         self.goodput.segment_medians(s.segments)
 

@@ -46,7 +46,7 @@ class Hook:
 
 
 class FaultHook:
-    """Where tests inject faults into a segment (testing/chaos.py implements one); here it does
+    """Where tests inject faults into a segment (orchestrator/chaos.py implements one); here it does
     nothing. A segment calls it as each phase begins, before each save, and after each batch."""
 
     def entering(self, phase: str) -> None:

@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 from helpers import browser
 
-from orchestrator.fleet.dashboard import DashboardConfig, make_server
-from orchestrator.fleet.store import FleetStore, FleetStoreConfig
+from orchestrator.dashboard.server import DashboardConfig, make_server
+from orchestrator.dashboard.store import FleetStore, FleetStoreConfig
 
 
 @pytest.fixture

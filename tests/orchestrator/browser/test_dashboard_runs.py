@@ -8,8 +8,8 @@ import threading
 import pytest
 from helpers import browser
 
-from orchestrator.fleet.dashboard import DashboardConfig, make_server
-from orchestrator.fleet.store import FleetStore, FleetStoreConfig
+from orchestrator.dashboard.server import DashboardConfig, make_server
+from orchestrator.dashboard.store import FleetStore, FleetStoreConfig
 
 
 def _steps(first, last, t0):

@@ -198,7 +198,7 @@ def test_goodput_with_a_host_loss_adds_up_to_the_wall_time_with_each_part_measur
 
 
 def test_the_fleet_store_holds_the_run_as_its_summary_says(elastic):
-    from orchestrator.fleet.store import FleetStore
+    from orchestrator.dashboard.store import FleetStore
 
     store = FleetStore(elastic["_store"])
     job = store.job("elastic")

@@ -201,8 +201,8 @@ def test_metrics_reach_prometheus_through_ray_with_job_and_host_labels(fleet):
 def dashboard(fleet):
     import threading
 
-    from orchestrator.fleet.dashboard import DashboardConfig, make_server
-    from orchestrator.fleet.store import FleetStoreConfig
+    from orchestrator.dashboard.server import DashboardConfig, make_server
+    from orchestrator.dashboard.store import FleetStoreConfig
 
     server = make_server(DashboardConfig(port=0, store=FleetStoreConfig(path=fleet["store"])))
     threading.Thread(target=server.serve_forever, daemon=True).start()

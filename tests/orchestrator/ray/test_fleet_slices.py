@@ -34,7 +34,7 @@ def registration(run, priority=0, min_hosts=2, max_hosts=6, slice_hosts=2):
 
 def slices_of(cluster, grant):
     """The job's hosts per slice: {slice: count}."""
-    said = cluster.host_slices()
+    said = cluster.slice_of()
     return dict(collections.Counter(said[node] for node, _ in grant.hosts))
 
 
@@ -46,7 +46,7 @@ def test_a_job_that_runs_whole_slices_gets_and_gives_them_whole(cluster, fleet):
     gpu = Grant.from_dict(ray.get(fleet.register.remote(registration("gpu-1", 5, 1, 1, slice_hosts=0))))
     tpu = Grant.from_dict(ray.get(fleet.report.remote("tpu-1")))
     assert tpu.target == 4 and tpu.reason == "shrunk to 4 of 6 hosts for a job of higher priority"
-    said = cluster.host_slices()
+    said = cluster.slice_of()
     given = sorted(n for n, _ in tpu.hosts if said[n] == "2")  # the job chooses: the last slice
     ray.get(fleet.release.remote("tpu-1", given))
     gpu = until(fleet, "gpu-1", 1, "the high job gets a host of the slice given back")
@@ -70,7 +70,7 @@ def test_a_job_that_runs_whole_slices_gets_and_gives_them_whole(cluster, fleet):
 def test_a_host_lost_drops_its_reservation_and_its_slice_until_it_is_back(cluster, fleet):
     tpu = Grant.from_dict(ray.get(fleet.register.remote(registration("tpu-2", max_hosts=4))))
     tpu = until(fleet, "tpu-2", 4, "two whole slices")
-    said = cluster.host_slices()
+    said = cluster.slice_of()
     mine = slices_of(cluster, tpu)
     lost = tpu.hosts[0][0]
     cluster.kill_host(lost)
@@ -82,7 +82,7 @@ def test_a_host_lost_drops_its_reservation_and_its_slice_until_it_is_back(cluste
     tpu = until(fleet, "tpu-2", 4, "a whole free slice in place of the broken one")
     assert said[lost] not in slices_of(cluster, tpu) and len(slices_of(cluster, tpu)) == 2
     cluster.add_host()  # into the slice the loss left short
-    assert collections.Counter(cluster.host_slices().values()) == {"0": 2, "1": 2, "2": 2}
+    assert collections.Counter(cluster.slice_of().values()) == {"0": 2, "1": 2, "2": 2}
     ray.get(fleet.finish.remote("tpu-2"))
 
 

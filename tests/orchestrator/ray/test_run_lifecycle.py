@@ -14,7 +14,7 @@ import pytest
 from helpers.jobs import gpt_job
 
 from checkpoint import Store
-from orchestrator.fleet.store import FleetStore
+from orchestrator.dashboard.store import FleetStore
 from tests.helpers.paths import ROOT
 
 

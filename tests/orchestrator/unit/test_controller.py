@@ -7,19 +7,22 @@ import math
 import pytest
 
 from orchestrator import Phase, parse_job
+from orchestrator.chaos import ChaosCallback, parse_chaos
 from orchestrator.control.controller import ControllerConfig, JobController
+from orchestrator.control.fleet_following import FleetFollowing
 from orchestrator.control.planning import PlanCache
 from orchestrator.hosts.group import HostsLostError, HostStatus, SegmentFailedError
+from orchestrator.hosts.interface import Cluster, Placement
+from orchestrator.hosts.slices import SlicedCluster, SliceLayout
 from orchestrator.protocol import from_dict
 from orchestrator.telemetry.console import ConsoleCallback
 from orchestrator.telemetry.goodput import GoodputCallback
 from orchestrator.telemetry.recorder import Recorder, RecorderCallback
 from orchestrator.telemetry.summary import SummaryCallback
-from orchestrator.testing.chaos import ChaosCallback, parse_chaos
 from partitioner import Cost, Plan
 
 
-class World:
+class World(Cluster):
     """Hosts that can die, and the checkpoint that survives them."""
 
     def __init__(self, hosts):
@@ -66,6 +69,7 @@ def fake_group_cls(world, every, now):
         def __init__(self, hosts, config, standby=None, placements=None, nodes=None):
             self.size = hosts
             self.node_ids = list(nodes)[:hosts] if nodes is not None else world.alive_hosts()[:hosts]
+            self.places = [{"ip": "127.0.0.1", "port": 1, "pid": 0} for _ in range(hosts)]
             self.placements = placements
             self.stop = False
             self.step = None
@@ -142,9 +146,9 @@ def fake_plan(devices):
 
 
 def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0,
-         cluster=None, max_hosts=4, host_check_s=0.0, standby=None):  # fmt: skip
-    """A controller on `world` (seen through `cluster`, where given), and the run summary its
-    callbacks keep; the terminal's lines go to `lines`."""
+         cluster=None, max_hosts=4, host_check_s=0.0, standby=None, fleet=None):  # fmt: skip
+    """A controller on `world` (seen through `cluster`, where given; following `fleet`'s grant,
+    where given), and the run summary its callbacks keep; the terminal's lines go to `lines`."""
     lines = [] if lines is None else lines
     job = parse_job(
         {
@@ -167,14 +171,13 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
         ConsoleCallback(lines.append),
     ]
     if chaos:
-        callbacks.append(ChaosCallback(chaos, lines.append))
+        callbacks.append(ChaosCallback(chaos, lines.append, hosts=world))
     c = JobController(
         job,
         cluster or world,
         plans=PlanCache(fake_plan, "f"),
-        config=ControllerConfig(
-            poll_interval_s=0, host_check_interval_s=host_check_s, stop_grace_s=grace, reserve_wait_s=reserve_wait_s
-        ),  # fmt: skip
+        config=ControllerConfig(poll_interval_s=0, host_check_interval_s=host_check_s, stop_grace_s=grace),  # fmt: skip
+        scaling=FleetFollowing(job.hosts.min, fleet, reserve_wait_s) if fleet is not None else None,
         callbacks=callbacks,
         group_cls=fake_group_cls(world, 5, now),
         clock=now,
@@ -487,8 +490,7 @@ class FleetWorld(World):
 
     def __init__(self, hosts, target=0, reason="waiting for hosts: needs 2, 0 idle"):
         super().__init__(hosts)
-        from orchestrator.control.state import FleetProgress
-        from orchestrator.fleet.scheduler import Registration
+        from orchestrator.protocol.fleet import FleetProgress, Registration
 
         self.target, self.reason, self.held, self.released = 0, reason, [], []
         self.registration = Registration("t-1", "t", 0, "default", 2, 4, "/tmp/x")
@@ -502,10 +504,13 @@ class FleetWorld(World):
 
     @property
     def grant(self):
-        from orchestrator.fleet.scheduler import Grant
+        from orchestrator.protocol.fleet import Grant
 
         hosts = tuple((n, f"pg-{n}") for n in self.held)
         return Grant("t-1", "running" if self.target else "queued", self.target, hosts, self.reason)
+
+    def attach(self, progress):
+        self.progress = progress
 
     def report(self):
         self.reported.append(self.progress())
@@ -514,8 +519,11 @@ class FleetWorld(World):
     def alive_hosts(self):
         return [n for n in self.held if n in self.alive]
 
-    def placements(self, nodes):
-        return [f"pg-{n}" for n in nodes]
+    def placement(self, hosts):
+        return self.placement_on(self.alive_hosts()[:hosts])
+
+    def placement_on(self, nodes):
+        return Placement(reservations=[f"pg-{n}" for n in nodes])
 
     def release(self, nodes):
         self.released.append(list(nodes))
@@ -525,7 +533,7 @@ class FleetWorld(World):
 
 def test_on_a_shared_cluster_the_job_waits_shrinks_suspends_and_resumes_as_granted():
     world = FleetWorld(4)
-    c, s = make(world)
+    c, s = make(world, fleet=world)
     assert c.step() is Phase.QUEUED and s.events[-1]["kind"] == "queued"
     assert s.events[-1]["reason"] == "waiting for hosts: needs 2, 0 idle"
     assert c.step() is Phase.QUEUED and len(s.events) == 1  # still waiting, said once
@@ -562,7 +570,7 @@ def test_a_job_says_it_would_grow_only_while_the_steps_left_pay_for_a_resize():
     # hosts, growing saves 0.05 s a step left.
     for steps, at, grows in ((100_000, 3, True), (30, 25, False)):
         world = FleetWorld(4, target=2)
-        c, s = make(world, steps=steps)
+        c, s = make(world, steps=steps, fleet=world)
         run_until(c, lambda s=s, at=at: s.steps_completed >= at)
         c.step()
         assert world.reported[-1].grows is grows, (steps, world.reported[-1])
@@ -571,7 +579,7 @@ def test_a_job_says_it_would_grow_only_while_the_steps_left_pay_for_a_resize():
 def test_granted_hosts_another_job_still_holds_are_waited_for_then_fewer_are_used():
     world = FleetWorld(4, target=3)
     world.held = ["node0", "node1"]  # the third granted host is still another job's
-    c, s = make(world, reserve_wait_s=3.0)
+    c, s = make(world, reserve_wait_s=3.0, fleet=world)
     assert c.step() is Phase.QUEUED
     assert s.events[-1]["reason"] == (
         "waiting for hosts: 2 of the 3 granted are free, the rest still held by jobs that are giving them back"
@@ -580,7 +588,7 @@ def test_granted_hosts_another_job_still_holds_are_waited_for_then_fewer_are_use
     assert s.segments[0].devices == 4 and world.groups[0].placements == ["pg-node0", "pg-node1"]
     lonely = FleetWorld(4, target=2)
     lonely.held = ["node0"]  # one of two: below hosts.min, so it waits however long
-    c, s = make(lonely, reserve_wait_s=3.0)
+    c, s = make(lonely, reserve_wait_s=3.0, fleet=lonely)
     for _ in range(20):
         assert c.step() is Phase.QUEUED
     lonely.held.append("node1")  # given back at last
@@ -590,7 +598,7 @@ def test_granted_hosts_another_job_still_holds_are_waited_for_then_fewer_are_use
 
 def test_a_shrink_while_a_grow_waits_for_its_checkpoint_stops_the_group_at_once():
     world = FleetWorld(4, target=2)
-    c, s = make(world)
+    c, s = make(world, fleet=world)
     run_until(c, lambda: s.steps_completed == 11)
     world.set_target(4)
     c.step()
@@ -610,7 +618,7 @@ class SlicedWorld(World):
         super().__init__(hosts)
         self.slices = {n: str(i // 2) for i, n in enumerate(self.alive)}
 
-    def host_slices(self):
+    def slice_of(self):
         return {n: self.slices[n] for n in self.alive}
 
     def add_host(self):
@@ -622,8 +630,6 @@ class SlicedWorld(World):
 
 @pytest.mark.parametrize("fails_by, after_loss", [("slice", ["node0", "node1"]), ("host", ["node0", "node1", "node3"])])
 def test_a_lost_host_takes_its_slice_where_slices_fail_whole_and_only_itself_elsewhere(fails_by, after_loss):
-    from orchestrator.hosts.slices import SlicedCluster, SliceLayout
-
     world = SlicedWorld(4)
     c, s = make(world, steps=40, cluster=SlicedCluster(world, SliceLayout(2, fails_by)))
     asked, planner = [], c.plans.planner
@@ -647,8 +653,8 @@ def test_a_lost_host_takes_its_slice_where_slices_fail_whole_and_only_itself_els
 
 
 def test_a_slice_lost_whole_leaves_the_others_to_go_on():
+    from orchestrator.chaos import parse_chaos
     from orchestrator.hosts.slices import SlicedCluster, SliceLayout
-    from orchestrator.testing.chaos import parse_chaos
 
     world = SlicedWorld(6)
     sliced = SlicedCluster(world, SliceLayout(2, "slice"))
@@ -660,17 +666,27 @@ def test_a_slice_lost_whole_leaves_the_others_to_go_on():
     assert lost["nodes_dead"] == 2 and lost["slice_left"] == 0
 
 
-def test_on_a_shared_cluster_a_slice_that_lost_a_host_is_given_back_whole():
-    from orchestrator.hosts.slices import SlicedCluster, SliceLayout
+class SlicedFleetWorld(FleetWorld):
+    """A shared cluster whose hosts say their slices (two hosts each)."""
 
-    class SlicedFleetWorld(FleetWorld):
-        slices = {f"node{i}": str(i // 2) for i in range(4)}
+    slices = {f"node{i}": str(i // 2) for i in range(4)}
 
-        def host_slices(self):
-            return {n: self.slices[n] for n in self.alive}
+    def slice_of(self):
+        return {n: self.slices[n] for n in self.alive_hosts()}
 
+
+def test_a_shared_cluster_seen_through_its_slices_hears_the_jobs_progress():
     world = SlicedFleetWorld(4, target=4)
-    c, s = make(world, steps=30, cluster=SlicedCluster(world, SliceLayout(2, "slice")))
+    c, s = make(world, steps=30, cluster=SlicedCluster(world, SliceLayout(2, "slice")), fleet=world)
+    run_until(c, lambda: s.steps_completed >= 7)
+    world.report()  # a heartbeat, as the fleet link's thread sends it
+    # Checkpoints every 5 steps: 2 steps since the last, on 4 of at most 4 hosts (no growth to want).
+    assert (c.step_reached, world.reported[-1].since_snapshot) == (7, 2)
+
+
+def test_on_a_shared_cluster_a_slice_that_lost_a_host_is_given_back_whole():
+    world = SlicedFleetWorld(4, target=4)
+    c, s = make(world, steps=30, cluster=SlicedCluster(world, SliceLayout(2, "slice")), fleet=world)
     run_until(c, lambda: s.steps_completed >= 6)
     world.kill_host("node2")
     world.set_target(2, "2 of at most 4 hosts: the other 2 are held or kept for waiting jobs")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from orchestrator.fleet.store import FleetStore
+from orchestrator.dashboard.store import FleetStore
 
 
 def write_job(path, name, cluster, steps):
@@ -57,7 +57,7 @@ def _step(run_steps, i, at):
 
 
 def test_each_run_of_a_job_has_its_own_id_events_and_steps(tmp_path):
-    from orchestrator.fleet.dashboard import job_detail
+    from orchestrator.dashboard.server import job_detail
 
     store = FleetStore(str(tmp_path / "fleet.db"))
     first = store.start_run("a", cluster="c", steps=10)
@@ -109,7 +109,7 @@ def test_a_store_from_before_runs_is_migrated_one_run_per_job(tmp_path):
 
 
 def test_a_long_jobs_steps_are_thinned_evenly_keeping_each_segments_ends(tmp_path):
-    from orchestrator.fleet.dashboard import job_detail
+    from orchestrator.dashboard.server import job_detail
 
     store = FleetStore(str(tmp_path / "fleet.db"))
     run = store.start_run("long", cluster="c", steps=1000)
@@ -143,7 +143,7 @@ def test_a_runs_step_rows_stay_bounded_and_evenly_spread_however_long_it_runs(tm
     it holds is evenly spread over the whole run, and the job page still charts every host."""
     from types import SimpleNamespace
 
-    from orchestrator.fleet.dashboard import job_detail
+    from orchestrator.dashboard.server import job_detail
     from orchestrator.telemetry.recorder import FleetRecorder
 
     store = FleetStore(str(tmp_path / "fleet.db"))
@@ -185,8 +185,8 @@ def test_status_reads_a_jobs_state_through_a_dashboard_where_the_store_is_out_of
     import threading
 
     from orchestrator.cli.submit import SubmitError, remesh_state
-    from orchestrator.fleet.dashboard import DashboardConfig, make_server
-    from orchestrator.fleet.store import FleetStoreConfig
+    from orchestrator.dashboard.server import DashboardConfig, make_server
+    from orchestrator.dashboard.store import FleetStoreConfig
 
     path = str(tmp_path / "fleet.db")
     write_job(path, "seen", "c", 20)

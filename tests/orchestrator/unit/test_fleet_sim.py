@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.testing.fleet_sim import Costs, TraceJob, simulate, synthetic_trace
+from orchestrator.fleet.simulate import Costs, TraceJob, simulate, synthetic_trace
 
 COSTS = Costs(start=10.0, resize=4.0, efficiency=1.0, checkpoint_every=10)
 

@@ -1,7 +1,7 @@
 import pytest
 
 from orchestrator import Continue, Fail, Failure, FailurePolicy, Resize, Restart, ScalingPolicy
-from orchestrator.testing.chaos import ChaosInjector, ChaosSpecError, Fault, parse_chaos
+from orchestrator.chaos import ChaosInjector, ChaosSpecError, Fault, parse_chaos
 
 
 def test_scaling_starts_on_what_is_there_up_to_max_and_grows():

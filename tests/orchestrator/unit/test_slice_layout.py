@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from orchestrator.hosts.interface import Cluster
 from orchestrator.hosts.slices import SliceLayout, SliceLayoutError, host_slices
 from orchestrator.job.jobfile import JobFileError, parse_job
 
@@ -78,7 +79,7 @@ def test_a_share_is_kept_in_another_slice_so_a_slice_lost_whole_loses_none():
 
 
 def test_lose_slice_is_a_fault_of_its_own():
-    from orchestrator.testing.chaos import Fault, parse_chaos
+    from orchestrator.chaos import Fault, parse_chaos
 
     assert parse_chaos("lose-slice@15:1,add@20") == (Fault("lose-slice", 15, (1,)), Fault("add", 20))
 
@@ -94,12 +95,12 @@ def test_on_a_ray_cluster_the_slices_the_hosts_say_set_the_layout_unless_the_job
     with pytest.raises(SliceLayoutError, match=r"hosts_per_slice = 1, but slice 'a' of the cluster has 2 hosts"):
         cluster_layout(SliceLayout.of("tpu-v5p", 1), said, explicit=True)
 
-    class Granted:  # a shared cluster: this job holds n0, n1 and n4 of the cluster's hosts
+    class Granted(Cluster):  # a shared cluster: this job holds n0, n1 and n4 of the cluster's hosts
         def alive_hosts(self):
             return ["n0", "n1", "n4"]
 
-        def host_slices(self):
-            return said
+        def slice_of(self):
+            return {node: name for node, name in said.items() if node in self.alive_hosts()}
 
     sliced = SlicedCluster(Granted(), SliceLayout(2, "slice"))
     assert sliced.slice_of() == {"n0": "a", "n1": "a", "n4": "c"}

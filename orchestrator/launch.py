@@ -1,4 +1,6 @@
-"""`remesh run`: wire a job file to a cluster, a planner, a controller and its callbacks, and run it."""
+"""`run_job`: wire a job file to a cluster, a planner, a controller and its callbacks, and run it
+(`remesh run`, and a job submitted to a Ray cluster). Fault injection (`chaos`) is loaded only
+when faults are given."""
 
 from __future__ import annotations
 
@@ -10,21 +12,24 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
-from ..control.controller import ControllerConfig, JobController
-from ..control.planning import PlanCache, program_fingerprint
-from ..fleet.store import FleetStoreConfig
-from ..hosts.slices import SlicedCluster, cluster_layout, host_slices
-from ..job.jobfile import JobSpec
-from ..job.lock import RunLock
-from ..job.program import check_program, importable_from_here, load_program
-from ..metrics import RayMetrics
-from ..telemetry.console import Console, ConsoleCallback
-from ..telemetry.goodput import GoodputCallback
-from ..telemetry.recorder import FleetRecorder, Recorder, RecorderCallback
-from ..telemetry.summary import RunSummary, SummaryCallback
-from ..testing.chaos import ANY_CLUSTER, ChaosCallback, ChaosSpecError, parse_chaos
-from ..worker.compile import step_flops
+from .control.controller import ControllerConfig, JobController
+from .control.fleet_following import FleetFollowing
+from .control.planning import PlanCache, program_fingerprint
+from .dashboard.store import FleetStoreConfig
+from .fleet.cluster import FleetCluster
+from .hosts.interface import Cluster, EmulatedHosts
+from .hosts.slices import SlicedCluster, SliceLayout, cluster_layout, host_slices
+from .job.jobfile import JobSpec
+from .job.lock import RunLock
+from .job.program import check_program, importable_from_here, load_program
+from .metrics import RayMetrics
+from .telemetry.console import Console, ConsoleCallback
+from .telemetry.goodput import GoodputCallback
+from .telemetry.recorder import FleetRecorder, Recorder, RecorderCallback
+from .telemetry.summary import RunSummary, SummaryCallback
+from .worker.compile import step_flops
 
 
 def run_job(
@@ -41,12 +46,7 @@ def run_job(
     """Run `job` to completion on an embedded local cluster (or the Ray cluster at `address`);
     returns the RunSummary. Progress goes to the fleet store `store` (None: nowhere) under the
     cluster's name (`cluster_name`, else $REMESH_CLUSTER, else where it runs)."""
-    faults = parse_chaos(chaos)
-    if address and any(f.kind not in ANY_CLUSTER for f in faults):
-        raise ChaosSpecError(
-            "--chaos lose, add and lose-in-save kill and add emulated hosts, which needs the embedded "
-            f"cluster: drop --address (on a running cluster only {', '.join(ANY_CLUSTER)} applies)"
-        )
+    faults = _faults(chaos, address)
     importable_from_here()
     program = load_program(job.program, job.settings())
     state, batch = check_program(program, job.global_batch, job.seed)
@@ -56,11 +56,11 @@ def run_job(
     run_id = os.environ.get("REMESH_RUN_ID") or f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
     with contextlib.ExitStack() as stack:  # unwinds the cluster first, then the console, then the lock
         stack.enter_context(RunLock(job.checkpoint.dir, job=job.name, run=run_id))
-        cluster, printer = _cluster(job, stack, committed() >= job.steps, address, hosts, printer, run_id)
-        layout = cluster.layout if isinstance(cluster, SlicedCluster) else job.slices()  # the cluster's, where said
-        plans = PlanCache(job_planner(job, program.step, state, batch, layout),
+        where = _cluster(job, stack, committed() >= job.steps, address, hosts, printer, run_id)
+        cluster, printer = where.cluster, where.printer
+        plans = PlanCache(job_planner(job, program.step, state, batch, where.layout),
                           program_fingerprint(job.program, state, batch))  # fmt: skip
-        keepers, standby = _keepers_and_standby(job, config, cluster, stack, address)
+        keepers, standby = _keepers_and_standby(job, config, where, stack)
         recorder = Recorder()
         if store is not None:
             name = cluster_name or os.environ.get("REMESH_CLUSTER") or _cluster_name(address)
@@ -70,8 +70,11 @@ def run_job(
         summary = SummaryCallback(goodput)
         callbacks = [goodput, summary, RecorderCallback(recorder, goodput, summary), ConsoleCallback(printer)]
         if faults:
-            callbacks.append(ChaosCallback(faults, printer))
-        controller = JobController(job, cluster, plans=plans, config=config, callbacks=callbacks,
+            from .chaos import ChaosCallback
+
+            callbacks.append(ChaosCallback(faults, printer, hosts=where.emulated))
+        scaling = FleetFollowing(job.hosts.min, where.fleet) if where.fleet is not None else None
+        controller = JobController(job, cluster, plans=plans, config=config, callbacks=callbacks, scaling=scaling,
                                    model_flops=model_flops, committed=committed, snapshots=keepers,
                                    standby=standby)  # fmt: skip
         with _stop_on_signals(controller):
@@ -99,63 +102,93 @@ def job_planner(job: JobSpec, step, state, batch, layout=None):
     return planner
 
 
+def _faults(chaos: str | None, address: str | None) -> tuple:
+    if not chaos:
+        return ()
+    from .chaos import ANY_CLUSTER, ChaosSpecError, parse_chaos
+
+    faults = parse_chaos(chaos)
+    if address and any(f.kind not in ANY_CLUSTER for f in faults):
+        raise ChaosSpecError(
+            "--chaos lose, add and lose-in-save kill and add emulated hosts, which needs the embedded "
+            f"cluster: drop --address (on a running cluster only {', '.join(ANY_CLUSTER)} applies)"
+        )
+    return faults
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where a job runs: the cluster the controller sees, where its lines go, its slice layout
+    (the cluster's, where the hosts say one), and, where there is one, the fleet link whose grant
+    it follows (a shared cluster) or the emulated hosts fault injection acts on (embedded)."""
+
+    cluster: Cluster
+    printer: Callable[[str], None]
+    layout: SliceLayout
+    fleet: FleetCluster | None = None
+    emulated: EmulatedHosts | None = None
+
+
 def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: int | None, printer, run_id: str):
-    """The cluster to run on, its shutdown on `stack`, and where the controller's lines go. On a
-    running cluster (`address`) the job registers with the cluster's fleet scheduler, which
-    grants it hosts beside the other jobs there (started now if none runs)."""
-    from ..hosts.cluster import LocalClusterConfig
+    """Where the job runs (`_Where`), the cluster's shutdown on `stack`. On a running cluster
+    (`address`) the job registers with the cluster's fleet scheduler, which grants it hosts beside
+    the other jobs there (started now if none runs)."""
+    if not (finished or address):
+        return _embedded(job, stack, hosts, printer)
+    printer = printer or (lambda line: print(line, flush=True))
+    if finished:  # the controller ends it before asking for hosts
+        return _Where(_NoHosts(), printer, job.slices())
+    from .hosts.cluster import RayCluster
+    from .protocol.fleet import Registration
 
-    if finished:
-        cluster = _NoHosts()  # a finished job: the controller ends it before asking for hosts
-    elif address:
-        from ..fleet.cluster import FleetCluster
-        from ..fleet.scheduler import Registration
-        from ..hosts.cluster import RayCluster
-
-        RayCluster(address)  # connected: the hosts say their slices
-        said = host_slices()
-        layout = cluster_layout(job.slices(), said, explicit=job.hosts.hosts_per_slice > 0)
-        whole = layout.hosts_per_slice if said and layout.fails_by == "slice" else 0
-        low, high = job.hosts.min, min(job.hosts.max, hosts or job.hosts.max)
-        registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir, whole)
-        cluster = FleetCluster(address, registration)
-        if said:
-            printer = printer or (lambda line: print(line, flush=True))
-            sizes = sorted(collections.Counter(said.values()).values())
-            printer(f"slices the cluster's hosts say: {len(sizes)} of {', '.join(map(str, sorted(set(sizes))))} hosts"
-                    + (" (a host lost takes its slice)" if whole else ""))  # fmt: skip
-            stack.callback(cluster.shutdown)
-            return SlicedCluster(cluster, layout), printer
-    else:
-        if printer is None:
-            log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
-            printer = stack.enter_context(Console(log)).print
-            printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
-        n, layout = hosts or job.hosts.max, job.slices()
-        per = layout.hosts_per_slice
-        printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices"
-                + (f", {layout.slices(n)} slices of {per}" if per else ""))  # fmt: skip
-        cluster = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host, hosts_per_slice=per).create()
-        if per is not None:
-            stack.callback(cluster.shutdown)
-            return SlicedCluster(cluster, layout), printer
-    stack.callback(cluster.shutdown)
-    return cluster, printer or (lambda line: print(line, flush=True))
+    RayCluster(address)  # connected: the hosts say their slices
+    said = host_slices()
+    layout = cluster_layout(job.slices(), said, explicit=job.hosts.hosts_per_slice > 0)
+    whole = layout.hosts_per_slice if said and layout.fails_by == "slice" else 0
+    low, high = job.hosts.min, min(job.hosts.max, hosts or job.hosts.max)
+    registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir, whole)
+    fleet = FleetCluster(address, registration)
+    stack.callback(fleet.shutdown)
+    if not said:
+        return _Where(fleet, printer, layout, fleet=fleet)
+    sizes = sorted(collections.Counter(said.values()).values())
+    printer(f"slices the cluster's hosts say: {len(sizes)} of {', '.join(map(str, sorted(set(sizes))))} hosts"
+            + (" (a host lost takes its slice)" if whole else ""))  # fmt: skip
+    return _Where(SlicedCluster(fleet, layout), printer, layout, fleet=fleet)
 
 
-def _keepers_and_standby(job: JobSpec, config: ControllerConfig, cluster, stack, address: str | None):
+def _embedded(job: JobSpec, stack, hosts: int | None, printer) -> _Where:
+    """An embedded cluster of `hosts` (default: the job's most) emulated hosts; Ray's own output
+    goes to a log file beside the checkpoints when no printer is given."""
+    from .hosts.cluster import LocalClusterConfig
+
+    if printer is None:
+        log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
+        printer = stack.enter_context(Console(log)).print
+        printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
+    n, layout = hosts or job.hosts.max, job.slices()
+    per = layout.hosts_per_slice
+    printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices"
+            + (f", {layout.slices(n)} slices of {per}" if per else ""))  # fmt: skip
+    local = LocalClusterConfig(hosts=n, devices_per_host=job.hosts.devices_per_host, hosts_per_slice=per).create()
+    stack.callback(local.shutdown)
+    cluster = SlicedCluster(local, layout) if per is not None else local
+    return _Where(cluster, printer, layout, emulated=local)
+
+
+def _keepers_and_standby(job: JobSpec, config: ControllerConfig, where: _Where, stack):
     """The keepers of peer snapshots (they start only when a group asks for them), and the pool
     of standby actors: only on a cluster of its own, since standby actors hold no host resource
     and on a shared cluster two jobs could take the same hosts; there each group is gang-scheduled
     by a placement group that reserves them (and a recovery spawns its actors)."""
-    if isinstance(cluster, _NoHosts):
+    if isinstance(where.cluster, _NoHosts):
         return None, None
-    from ..hosts.keepers import Keepers, KeepersConfig
-    from ..hosts.standby import StandbyPool
+    from .hosts.keepers import Keepers, KeepersConfig
+    from .hosts.standby import StandbyPool
 
     keepers = Keepers(KeepersConfig(env_vars=dict(config.env_vars)))
     stack.callback(keepers.shutdown)  # before the cluster goes
-    if address:
+    if where.fleet is not None:
         return keepers, None
     standby = StandbyPool(modules=(job.program.split(":")[0],))
     stack.callback(standby.shutdown)
@@ -185,7 +218,7 @@ def _committed_step(directory: str) -> int:
     return steps[-1] if steps else 0
 
 
-class _NoHosts:
+class _NoHosts(Cluster):
     """The cluster of a job that is already complete: nothing to start or stop."""
 
     def alive_hosts(self) -> list[str]:

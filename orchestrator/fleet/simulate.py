@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..fleet.policy import FleetPolicyConfig, JobView, allocate
+from .policy import FleetPolicyConfig, JobView, allocate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,9 +29,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..control.state import Phase
-from ..protocol import ControllerCallback, Hang, HookRef
-from ..worker.hooks import FaultHook
+from .control.state import Phase
+from .hosts.interface import EmulatedHosts
+from .protocol import ControllerCallback, Hang, HookRef
+from .worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
@@ -91,7 +92,7 @@ def parse_chaos(text: str | None) -> tuple[Fault, ...]:
 
 
 class ChaosInjector:
-    """Tracks which faults have fired; the controller asks what is due and executes it."""
+    """Tracks which faults have fired; the callback asks what is due and carries it out."""
 
     def __init__(self, faults: tuple[Fault, ...]):
         self._pending = list(faults)
@@ -135,17 +136,23 @@ def _phase_order(fault: Fault) -> int:
 
 
 class ChaosCallback(ControllerCallback):
-    """Carries out faults as the job reaches them. `printer`: where it says what it does."""
+    """Carries out faults as the job reaches them, on `hosts` (the embedded cluster, whose hosts
+    it kills, stops and adds; None where only `slow` faults are given). `printer`: where it says
+    what it does."""
 
-    def __init__(self, faults: tuple[Fault, ...], printer: Callable[[str], None] | None = None):
+    def __init__(self, faults: tuple[Fault, ...], printer: Callable[[str], None] | None = None,
+                 hosts: EmulatedHosts | None = None):  # fmt: skip
+        if hosts is None and any(f.kind not in ANY_CLUSTER for f in faults):
+            raise ChaosSpecError(f"faults other than {', '.join(ANY_CLUSTER)} need the embedded cluster's hosts")
         self.injector = ChaosInjector(faults)
+        self.hosts = hosts
         self.print = printer or (lambda line: print(line, flush=True))
         self._caused: dict[str, float] = {}  # node id -> when a fault killed or stopped it (controller clock)
 
-    def test_hooks(self, controller, hosts: int) -> dict[int, HookRef]:
+    def test_hooks(self, view, hosts: int) -> dict[int, HookRef]:
         """A `HostFaults` hook for each host of a new group that must hang in a phase or straggle.
         A host carrying several phase faults hangs in the first of those phases it reaches."""
-        hangs = self.injector.hangs(controller.step_reached)
+        hangs = self.injector.hangs(view.step_reached)
         save = {f.host_in(hosts): f.step for f in hangs if f.phase == "save"}
         phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.injector.slow_hosts().items()}
@@ -155,51 +162,50 @@ class ChaosCallback(ControllerCallback):
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING and state.recovery is not None:
             for fault in self.injector.recovery_adds(state.recovery.step):  # a host joins mid-recovery
                 self.print(f"chaos {fault}: adding a host while the new group starts")
-                controller.cluster.add_host()
+                self.hosts.add_host()
 
-    def on_report(self, controller, host, report, speaker) -> None:
+    def on_report(self, view, host, report, speaker) -> None:
         if isinstance(report, Hang):  # whichever host hangs is the one to kill
-            self._kill(controller, host, str(self.injector.hung(report.phase, report.step)))
+            self._kill(view, host, str(self.injector.hung(report.phase, report.step)))
 
-    def on_poll(self, controller) -> None:
-        group = controller.group
-        for fault in self.injector.due(controller.step_reached):
+    def on_poll(self, view) -> None:
+        group = view.group
+        for fault in self.injector.due(view.step_reached):
             if fault.kind == "lose":
                 for host in fault.hosts_in(group.size):
-                    self._kill(controller, host, str(fault))
+                    self._kill(view, host, str(fault))
             elif fault.kind == "lose-slice":
-                for host in self._slice_hosts(controller, fault):
-                    self._kill(controller, host, str(fault))
+                for host in self._slice_hosts(view, fault):
+                    self._kill(view, host, str(fault))
             elif fault.kind == "freeze":
                 host = fault.host_in(group.size)
                 node = group.node_ids[host]
                 self.print(f"chaos {fault}: stopping host {host}'s process (node {node[:8]}, SIGSTOP)")
-                self._caused[node] = controller.clock()
-                controller.cluster.freeze_process(group.places[host]["pid"])
+                self._caused[node] = view.clock()
+                self.hosts.freeze_process(group.places[host]["pid"])
             elif fault.kind == "add":
                 self.print(f"chaos {fault}: adding a host")
-                controller.cluster.add_host()
+                self.hosts.add_host()
 
-    def _slice_hosts(self, controller, fault: Fault) -> list[int]:
+    def _slice_hosts(self, view, fault: Fault) -> list[int]:
         """The group's hosts in its slice K (slices in the group's order; K beyond them: the last)."""
-        slice_of = getattr(controller.cluster, "slice_of", None)
-        if slice_of is None:
+        said = view.cluster.slice_of()
+        if not said:
             raise ChaosSpecError(f"{fault}: the job is not laid out in slices; set [hosts] hosts_per_slice")
-        said = slice_of()
-        names = list(dict.fromkeys(said[n] for n in controller.group.node_ids))
+        names = list(dict.fromkeys(said[n] for n in view.group.node_ids))
         name = names[min(fault.hosts[0] if fault.hosts else len(names) - 1, len(names) - 1)]
-        return [i for i, n in enumerate(controller.group.node_ids) if said[n] == name]
+        return [i for i, n in enumerate(view.group.node_ids) if said[n] == name]
 
-    def _kill(self, controller, host: int, why: str) -> None:
-        node = controller.group.node_ids[host]
+    def _kill(self, view, host: int, why: str) -> None:
+        node = view.group.node_ids[host]
         self.print(f"chaos {why}: killing host {host} (node {node[:8]})")
-        self._caused[node] = controller.clock()
+        self._caused[node] = view.clock()
         try:
-            controller.cluster.kill_host(node)
+            self.hosts.kill_host(node)
         except KeyError:  # gone already: a loss not yet seen
             self.print(f"      host {host} (node {node[:8]}) is gone already")
 

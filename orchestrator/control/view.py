@@ -1,0 +1,93 @@
+"""What a callback or a policy reads of a job: a read-only view of its controller.
+
+Callbacks (`protocol.ControllerCallback`) and scaling policies get a `ControllerView`, never the
+controller: they can read the job's state, its segments, the hosts of its group and the clocks,
+and change nothing the controller decides with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """The training group's hosts: `node_ids` and `places` (each host's ip, port, pid) in
+    process order."""
+
+    size: int
+    node_ids: tuple[str, ...]
+    places: tuple[dict, ...]
+
+
+class ControllerView:
+    def __init__(self, controller):
+        self._c = controller
+
+    @property
+    def job(self):
+        return self._c.job
+
+    @property
+    def config(self):
+        return self._c.config
+
+    @property
+    def cluster(self):
+        """The `hosts.interface.Cluster` the job runs on."""
+        return self._c.cluster
+
+    @property
+    def state(self):
+        return self._c.state
+
+    @property
+    def phase(self):
+        return self._c.state.phase
+
+    @property
+    def step_reached(self) -> int:
+        return self._c.step_reached
+
+    @property
+    def segments(self) -> Sequence:
+        return tuple(self._c.segments)
+
+    @property
+    def segment(self):
+        return self._c.segment
+
+    @property
+    def started_wall(self) -> float:
+        return self._c.started_wall
+
+    @property
+    def group(self) -> GroupView | None:
+        group = self._c.group
+        if group is None:
+            return None
+        return GroupView(group.size, tuple(group.node_ids), tuple(group.places))
+
+    @property
+    def recent_step_seconds(self) -> tuple[float, ...]:
+        """The training group's latest step times (its first step, which waits for its peers, left out)."""
+        return tuple(self._c.step_seconds)
+
+    def plan_ready(self, devices: int) -> bool:
+        """Whether a group on `devices` would start at once (plan made, programs compiled ahead)."""
+        return self._c.plans.ready(devices)
+
+    def scaling_status(self) -> str:
+        """Why the job runs on fewer hosts than it could, where its scaling policy knows."""
+        return self._c.scaling.status()
+
+    def clock(self) -> float:
+        return self._c.clock()
+
+    def wall(self) -> float:
+        return self._c.wall()
+
+    def now(self) -> float:
+        """Seconds since the job began, on the controller's clock (events are stamped with it)."""
+        return self._c.now()

@@ -1,1 +1,0 @@
-"""Fault injection for tests, the demo and the fault storm; not part of the public API."""
