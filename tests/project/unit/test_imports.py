@@ -1,8 +1,9 @@
 """Imports point one way. Within each package no module imports another that imports it back,
 counting imports inside functions too (as Ray's test_circular_imports does for its own): a cycle
-dodged by a late import is still one. Across orchestrator's subpackages, each imports only the
-layers below it (`LAYERS`), so the protocol and the worker never reach up into the controller or
-the command line."""
+dodged by a late import is still one. Across orchestrator's parts, each imports only the parts
+`ALLOWED` names (import-linter's "layers" and "independence" contracts written as edges), so the
+protocol and the worker never reach up into the controller, the fleet and the controller stand
+side by side, and fault injection is loaded only where faults are asked for."""
 
 import ast
 import os
@@ -12,8 +13,26 @@ import pytest
 from tests.helpers.paths import ROOT
 
 PACKAGES = ("partitioner", "checkpoint", "orchestrator")
-# orchestrator's layers, lowest first: a module may import its own layer and those before it.
-LAYERS = ("job", "protocol", "metrics", "worker", "hosts", "control", "telemetry", "fleet", "testing", "cli")
+# orchestrator's parts (a subpackage, or a top-level module) -> the parts it may import.
+_BELOW_LAUNCH = {"job", "protocol", "metrics", "worker", "hosts", "control", "fleet", "telemetry", "dashboard"}
+ALLOWED = {
+    "job": set(),  # the job file, the program contract, its data
+    "protocol": {"job"},  # what crosses a process: reports, specs, the fleet's wire messages
+    "metrics": set(),
+    "worker": {"job", "protocol", "metrics"},  # one process of one group: no Ray, no controller
+    "hosts": {"job", "protocol", "metrics", "worker"},  # actors, groups, clusters
+    "control": {"job", "protocol", "hosts"},  # the controller and its policies: not the fleet
+    "fleet": {"job", "protocol", "hosts"},  # the shared cluster's scheduler: not the controller
+    "telemetry": {"job", "protocol", "metrics", "control"},  # callbacks that watch the controller
+    "dashboard": {"job", "protocol", "telemetry"},  # the run store and its web pages
+    "chaos": {"job", "protocol", "worker", "hosts", "control"},  # fault injection, a feature
+    "launch": _BELOW_LAUNCH | {"chaos"},  # run_job wires it all
+    "cli": _BELOW_LAUNCH | {"chaos", "launch"},
+    "": _BELOW_LAUNCH | {"launch"},  # the package's public surface
+}
+# Loaded only inside the functions that use it, when faults are given: a job without `--chaos`
+# never imports it.
+LAZY = {"chaos"}
 
 
 def modules(package: str) -> dict[str, str]:
@@ -75,12 +94,43 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def upward(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
-    """Imports from a lower layer into a higher one, as 'a -> b'. The package's `__init__` (its
-    public surface, which re-exports from every layer) stands above them all."""
-    rank = {layer: i for i, layer in enumerate(layers)}
-    level = lambda m: rank.get(m.split(".")[0], len(layers)) if m else len(layers) + 1
-    return sorted(f"{m} -> {n}" for m in graph for n in graph[m] if level(n) > level(m))
+def part(module: str) -> str:
+    return module.split(".")[0]
+
+
+def disallowed(graph: dict[str, set[str]], allowed=ALLOWED) -> list[str]:
+    """Imports between orchestrator's parts that `allowed` does not list, as 'a -> b'."""
+    return sorted(
+        f"{m} -> {n}"
+        for m in graph
+        for n in graph[m]
+        if part(m) != part(n) and part(n) not in allowed.get(part(m), set())
+    )
+
+
+def eager(package: str, lazy=LAZY) -> list[str]:
+    """Modules outside the `lazy` parts that import one of them when imported themselves (at
+    module level, not inside a function), as 'a -> b'."""
+    files, found = modules(package), []
+    for name, path in sorted(files.items()):
+        if part(name) in lazy:
+            continue
+        for node in ast.parse(open(path).read()).body:
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                found += [f"{name} -> {t}" for t in _targets(node, name, path, package) if part(t) in lazy]
+    return found
+
+
+def _targets(node, name: str, path: str, package: str) -> list[str]:
+    here = name.split(".") if name else []
+    base = here if path.endswith("__init__.py") else here[:-1]
+    if isinstance(node, ast.ImportFrom) and node.level:
+        return [".".join([*base[: len(base) - node.level + 1], *(node.module.split(".") if node.module else [])])]
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package + "."):
+        return [node.module.split(".", 1)[1]]
+    if isinstance(node, ast.Import):
+        return [a.name.split(".", 1)[1] for a in node.names if a.name.startswith(package + ".")]
+    return []
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -91,15 +141,19 @@ def test_no_import_cycles(package):
     assert found is None, f"{package} has an import cycle: {' -> '.join(found)}"
 
 
-def test_orchestrator_imports_point_down_its_layers():
+def test_orchestrator_parts_import_only_what_they_may():
     graph = imports("orchestrator")
-    assert {m.split(".")[0] for m in graph if m} <= set(LAYERS), "a subpackage of orchestrator is missing from LAYERS"
-    assert upward(graph) == [], "these imports point up orchestrator's layers (LAYERS, lowest first)"
+    parts = {part(m) for m in graph}
+    assert parts <= set(ALLOWED), f"parts of orchestrator missing from ALLOWED: {sorted(parts - set(ALLOWED))}"
+    assert disallowed(graph) == [], "these imports cross orchestrator's parts where ALLOWED has no edge"
 
 
-def test_the_checks_find_a_cycle_and_an_upward_import():
+def test_fault_injection_is_imported_only_where_faults_are_asked_for():
+    assert eager("orchestrator") == [], "these modules import fault injection when they are imported"
+
+
+def test_the_checks_find_a_cycle_a_disallowed_edge_and_an_eager_import():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
-    assert upward({"worker.segment": {"control.controller"}, "control.controller": {"worker.segment"}}) == [
-        "worker.segment -> control.controller"
-    ]
+    graph = {"fleet.cluster": {"control.state"}, "control.controller": {"hosts.group"}, "hosts.group": set()}
+    assert disallowed(graph) == ["fleet.cluster -> control.state"]
