@@ -1,25 +1,33 @@
-"""What the training loop calls after each step, and where tests inject faults.
+"""What the training loop calls after each step, and where fault injection reaches in.
 
 The loop (segment.py) only reads batches, dispatches steps and reads their metrics back; all
 else is a `Hook` run after each step, in order: the evaluation (evaluation.py), the save
 (saves.py), compiling ahead (compile.py) and the peer snapshot (snapshots.py). A hook that needs
 the state a step produced says so (`wants_state`): the next step donates it, so the loop reads
-the step back before the hooks run.
+the step back before the hooks run. Hooks do not reach into each other or into the loop: what one
+needs rides on the step's record (`StepDone`), and what it held the loop for goes back on it.
+Every hook is closed when the segment ends, on an error too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..protocol import HookRef, Stop
 from .laps import Reporter
 
 
+def _nothing_unsaved(upto: int) -> list[dict]:
+    return []
+
+
 @dataclasses.dataclass
 class StepDone:
-    """A step dispatched, as the hooks after it see it."""
+    """A step dispatched (its metrics perhaps not read back yet), as the hooks after it see it."""
 
     step: int
     state: Any  # the state after it, on the devices
@@ -27,6 +35,10 @@ class StepDone:
     last: bool  # the job's last step
     stop: Stop = Stop.RUN  # what the group agreed after it
     step_seconds: float = 0.0  # the time of the last step read back
+    snapshot_every: int = 0  # the peer-snapshot interval the group agreed on (0: none)
+    read_back: Callable[[], float] = lambda: 0.0  # wait for this step, report it; its seconds
+    unsaved: Callable[[int], list[dict]] = _nothing_unsaved  # records of the steps past the newest commit
+    copied: float = 0.0  # seconds a hook held the loop copying state (charged to the step's report)
 
     @property
     def ends_segment(self) -> bool:
@@ -43,6 +55,28 @@ class Hook:
 
     def close(self) -> None:
         """The segment ends (also on an error): finish what is in flight."""
+
+
+@contextlib.contextmanager
+def closing(hooks: Sequence[Hook]):
+    """Close every hook when the block ends. On an error the error goes on and a hook that fails
+    to close is left (the segment is over either way); otherwise a hook that fails to close
+    raises, once the others are closed."""
+    failed: BaseException | None = None
+    try:
+        yield
+    except BaseException:
+        for hook in hooks:
+            with contextlib.suppress(Exception):
+                hook.close()
+        raise
+    for hook in hooks:
+        try:
+            hook.close()
+        except Exception as e:  # noqa: BLE001 (closed the others first; raised below)
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 class FaultHook:

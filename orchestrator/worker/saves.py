@@ -103,6 +103,13 @@ class SaveHook(Hook):
             self.saves.save(done.step, functools.partial(self._save, done.state, done.step))
             self.lap(Checkpoint, step=done.step)
 
+    def close(self) -> None:
+        """The save in flight settles (it commits, or is reported failed), and the store closes."""
+        try:
+            self.saves.settle()
+        finally:
+            self.saves.store.close()
+
     def _save(self, state, step: int, steps: list[dict]) -> None:
         store, spec = self.saves.store, self.spec
         self.fault.saving(step, store)

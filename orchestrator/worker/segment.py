@@ -24,7 +24,7 @@ from ..protocol import CheckpointFlush, Compile, GroupStart, Load, SegmentSpec, 
 from .agreement import StopAgreement
 from .compile import AheadHook, DigestProgram, Executables, sharded, step_flops
 from .evaluation import EvalHook
-from .hooks import FaultHook, Hook, StepDone, load_fault_hook
+from .hooks import FaultHook, Hook, StepDone, closing, load_fault_hook
 from .inputs import Prefetch, batches
 from .laps import Deferred, Laps, Reporter
 from .process import compile_once, start_group
@@ -165,6 +165,11 @@ class StepReports:
         self.read_back()
         self._pending = (step, metrics, snapshot_every)
 
+    def read_back_seconds(self) -> float:
+        """`read_back`, then the time of the step read back."""
+        self.read_back()
+        return self.seconds
+
     def read_back(self) -> None:
         """Wait for the dispatched step's metrics and report it."""
         if self._pending is None:
@@ -221,23 +226,23 @@ def _train(
         hooks.append(EvalHook(programs.evaluation, held_out, loaded.program.evaluation, lap))
     hooks.append(SaveHook(saves, loaded.plan, programs.digest, position, spec, fault, lap))
     hooks.append(AheadHook(ahead, loaded.program, loaded.abstract_state, loaded.abstract_batch, spec, report))
-    hooks.append(SnapshotHook(peers, pace, agreement, saves, position, spec, programs.digest, reports))
+    hooks.append(SnapshotHook(peers, pace, position, spec, programs.digest))
     data = batches(loaded.program, position, loaded.batch_shardings, loaded.abstract_batch)
     inputs = Prefetch(data, restored.meta.data_position, spec.steps)
     try:
-        reached = _loop(programs.step, restored, spec, inputs, reports, agreement, hooks, fault)
+        with closing(hooks):  # the save in flight settles there
+            reached = _loop(programs.step, restored, spec, inputs, reports, agreement, hooks, fault, saves.unsaved)
     finally:
         inputs.close()
         programs.digest.close()
-    saves.settle()
     lap(CheckpointFlush, step=reached)
-    loaded.store.close()
     return {"last_step": reached}
 
 
-def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepReports, agreement, hooks, fault) -> int:
+def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepReports, agreement, hooks, fault,
+          unsaved=lambda upto: []) -> int:  # fmt: skip
     """Train from the restored step to the job's last, or until a stop ends the segment; returns
-    the step reached."""
+    the step reached. `unsaved(step)`: the records of the steps past the newest commit."""
     first = reached = restored.meta.data_position
     state = restored.state
     for index in range(first, spec.steps):
@@ -260,9 +265,11 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
         done.stop = agreement.agree(reached, done.boundary, reports.seconds)
         if done.stop is Stop.NOW:  # likewise, before the save of the step reached
             reports.read_back()
-        done.step_seconds = reports.seconds
+        done.step_seconds, done.snapshot_every = reports.seconds, agreement.snapshot_every
+        done.read_back, done.unsaved = reports.read_back_seconds, unsaved
         for hook in hooks:
             hook.after_step(done)
+        reports.copied += done.copied
         if done.ends_segment:
             break
     return reached

@@ -62,22 +62,21 @@ class SnapshotHook(Hook):
     """Takes a peer snapshot after the steps the group agreed on (`StopAgreement.snapshot_every`),
     with the records of the steps since the newest commit, which a restore hands back."""
 
-    def __init__(self, peers, pace: SnapshotPace, agreement, saves, position, spec, digest, reports):
-        self.peers, self.pace, self.agreement, self.saves = peers, pace, agreement, saves
-        self.position, self.spec, self.digest, self.reports = position, spec, digest, reports
+    def __init__(self, peers, pace: SnapshotPace, position, spec, digest):
+        self.peers, self.pace, self.position, self.spec, self.digest = peers, pace, position, spec, digest
 
     def after_step(self, done: StepDone) -> None:
-        every = self.agreement.snapshot_every
+        every = done.snapshot_every
         if done.ends_segment or not every or done.step % every:
             return
-        self.reports.read_back()  # the copy waits for the step anyway; its report goes with it
+        seconds = done.read_back()  # the copy waits for the step anyway; its report goes with it
         meta = CheckpointMeta(
             data_position=done.step,
             examples_seen=self.position.example_index(done.step),
             segment=self.spec.segment,
             step=done.step,
-            reports=tuple(self.saves.unsaved(done.step)),
+            reports=tuple(done.unsaved(done.step)),
         )
         copy = take_snapshot(self.peers, done.state, meta, self.pace, self.digest)
-        self.pace.took(copy, self.reports.seconds)
-        self.reports.copied += copy
+        self.pace.took(copy, seconds)
+        done.copied += copy

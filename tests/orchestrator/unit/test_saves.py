@@ -76,3 +76,29 @@ def test_steps_since_the_newest_commit_ride_with_the_next_save():
     saves.save(5, lambda steps: kept.append([r["step"] for r in steps]) or disk.save(5, steps))
     saves.settle()
     assert kept == [[1, 2, 3, 4, 5]] and [r["step"] for r in saves.unsaved(10)] == [6, 7]
+
+
+def test_the_save_in_flight_settles_and_the_store_closes_when_the_segment_ends_on_an_error():
+    from orchestrator.worker.hooks import Hook, closing
+    from orchestrator.worker.saves import SaveHook
+
+    class Closing(Disk):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    disk, reports = Closing(), []
+    saves = Saves(disk, reports.append, "/ckpt")
+    saves.save(10, lambda steps: disk.save(10, steps))  # begun; writing in the background
+
+    class Other(Hook):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    other = Other()
+    with pytest.raises(ZeroDivisionError), closing([SaveHook(saves, None, None, None, None, None, None), other]):
+        raise ZeroDivisionError("the user's step, at step 11")
+    assert disk.committed == [10] and disk.closed and other.closed
