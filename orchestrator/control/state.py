@@ -68,10 +68,11 @@ class Segment:
     first_step_at: float | None = None
     model_flops: float | None = None
     device_flops: float | None = None
-    medians: dict = dataclasses.field(default_factory=dict)  # median step seconds, tokens/s, MFU
     snapshot_every: int = 0  # the peer snapshot interval its last step reported
 
-    def to_dict(self) -> dict:
+    def to_dict(self, medians: dict | None = None) -> dict:
+        """As the run summary lists it; `medians`: its median step seconds, tokens/s and MFU,
+        where a callback measured them (`telemetry.goodput`)."""
         out = {
             "mesh": self.mesh,
             "hosts": self.hosts,
@@ -85,7 +86,7 @@ class Segment:
         }
         if self.model_flops is not None:  # once the group's compile is reported
             out.update(model_flops=self.model_flops, device_flops=self.device_flops)
-        return {**out, **{f"median_{k}": v for k, v in self.medians.items()}}
+        return {**out, **{f"median_{k}": v for k, v in (medians or {}).items()}}
 
 
 @dataclasses.dataclass(frozen=True)

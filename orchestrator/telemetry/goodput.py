@@ -249,8 +249,10 @@ class GoodputCallback(ControllerCallback):
     def breakdown(self, view) -> dict:
         return self.ledger.breakdown(view.wall())
 
-    def segment_medians(self, segments) -> None:
-        """Each segment's median step seconds, tokens per second and MFU."""
-        for segment, throughput in zip(segments, self.segments):
+    def segment_medians(self) -> list[dict]:
+        """Each segment's median step seconds, tokens per second and MFU, in segment order."""
+        out = []
+        for throughput in self.segments:
             s = throughput.summary()
-            segment.medians = {k: s[k] for k in ("step_seconds", "tokens_per_second", "mfu")}
+            out.append({k: s[k] for k in ("step_seconds", "tokens_per_second", "mfu")})
+        return out

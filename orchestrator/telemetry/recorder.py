@@ -13,6 +13,7 @@ import time
 
 from ..control.state import Phase
 from ..protocol import STEP_RECORD, ControllerCallback, Restore, Step, step_record
+from .summary import segments_dicts
 
 
 class Recorder:
@@ -125,7 +126,8 @@ class FleetRecorder(Recorder):
 class RecorderCallback(ControllerCallback):
     """Feeds a `Recorder` (the fleet store and Ray's job-wide metrics): every host's steps, the
     run summary's events, and the job's status, at each new segment, about once a second and at
-    the end. Called after `goodput` and `summary`, whose figures it records."""
+    the end: the segments as the controller keeps them, the figures as `goodput` and `summary`
+    have them so far (it changes neither, and needs no order among them)."""
 
     def __init__(self, recorder: Recorder, goodput, summary):
         self.recorder, self.goodput, self.summary = recorder, goodput, summary
@@ -172,8 +174,7 @@ class RecorderCallback(ControllerCallback):
     def _status(self, view) -> None:
         segment, summary = view.segment, self.summary.summary
         goodput = summary.goodput or self.goodput.breakdown(view)
-        recent = self.goodput.throughput.recent(20)
-        self.goodput.segment_medians(summary.segments)
+        recent = self.goodput.throughput.recent(20)  # "now" on the dashboard: the last 20 steps, not the run
         held = segment is not None and view.phase is not Phase.QUEUED
         self.recorder.status(
             state=view.phase.value,
@@ -188,7 +189,7 @@ class RecorderCallback(ControllerCallback):
             goodput_ratio=goodput["goodput_ratio"],
             goodput=goodput,
             throughput=summary.throughput or self.goodput.throughput.summary(),
-            segments=[s.to_dict() for s in summary.segments],
+            segments=segments_dicts(view.segments, self.goodput.segment_medians()),
         )
 
 

@@ -59,6 +59,7 @@ class RunSummary:
     # run starts from there). An int kept up to date, so asking for it costs nothing per report.
     steps_completed: int = 0
     segments: list = dataclasses.field(default_factory=list)  # control.state.Segment
+    segment_medians: list = dataclasses.field(default_factory=list)  # per segment, where measured
     events: list[dict] = dataclasses.field(default_factory=list)
     recovery_seconds: list[float] = dataclasses.field(default_factory=list)
     recomputed_steps: list[int] = dataclasses.field(default_factory=list)  # per host loss: steps done again
@@ -102,7 +103,7 @@ class RunSummary:
             "steps_completed": self.steps_completed,
             "losses": [self.losses.get(s) for s in steps],
             "metrics": {name: [values.get(s) for s in steps] for name, values in self.metrics.items()},
-            "segments": [s.to_dict() for s in self.segments],
+            "segments": segments_dicts(self.segments, self.segment_medians),
             "events": self.events,
             "recovery_seconds": self.recovery_seconds,
             "recomputed_steps": self.recomputed_steps,
@@ -117,9 +118,15 @@ class RunSummary:
             json.dump(self.to_dict(), f, indent=2)
 
 
+def segments_dicts(segments, medians) -> list[dict]:
+    """The segments as the run summary and the fleet store list them, each with its medians."""
+    return [s.to_dict(medians[i] if i < len(medians) else None) for i, s in enumerate(segments)]
+
+
 class SummaryCallback(ControllerCallback):
     """Builds the run summary from what the speaking host reports and the controller's events;
-    the goodput and throughput figures come from `goodput`, which must be called before it."""
+    at the end, the goodput and throughput figures from `goodput`, which only reads them (it
+    changes nothing it is given, so the two are called in any order)."""
 
     def __init__(self, goodput: GoodputCallback):
         self.goodput = goodput
@@ -169,7 +176,7 @@ class SummaryCallback(ControllerCallback):
         s.state, s.wall_seconds = view.phase.value, view.now()
         s.goodput = self.goodput.breakdown(view)
         s.throughput = self.goodput.throughput.summary()
-        self.goodput.segment_medians(s.segments)
+        s.segment_medians = self.goodput.segment_medians()
 
 
 __all__ = ["EVENT_KINDS", "EventKind", "RunSummary", "StepSeries", "SummaryCallback"]

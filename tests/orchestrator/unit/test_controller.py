@@ -146,7 +146,7 @@ def fake_plan(devices):
 
 
 def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=None, lines=None, reserve_wait_s=30.0,
-         cluster=None, max_hosts=4, host_check_s=0.0, standby=None, fleet=None):  # fmt: skip
+         cluster=None, max_hosts=4, host_check_s=0.0, standby=None, fleet=None, reverse=False):  # fmt: skip
     """A controller on `world` (seen through `cluster`, where given; following `fleet`'s grant,
     where given), and the run summary its callbacks keep; the terminal's lines go to `lines`."""
     lines = [] if lines is None else lines
@@ -172,6 +172,7 @@ def make(world, chaos=(), steps=30, committed=lambda: 0, grace=20.0, recorder=No
     ]
     if chaos:
         callbacks.append(ChaosCallback(chaos, lines.append, hosts=world))
+    callbacks = callbacks[::-1] if reverse else callbacks  # callbacks need no order among them
     c = JobController(
         job,
         cluster or world,
@@ -333,12 +334,35 @@ def test_goodput_parts_add_up_to_wall_time_and_recomputed_steps_are_lost():
     assert g["badput_seconds"]["checkpoint"] == pytest.approx(4 * 0.01)  # steps 5, 10, then 15, 20
     assert g["badput_seconds"]["planning"] > 0 and g["badput_seconds"]["startup"] > 0
     assert summary.throughput["mfu"] == 0.5 and summary.throughput["steps_measured"] == 22
-    assert [seg.medians["step_seconds"] for seg in summary.segments] == [0.1, 0.1]
+    assert [seg["median_step_seconds"] for seg in summary.to_dict()["segments"]] == [0.1, 0.1]
     # The loss's own badput: from the last report before it to the first step past step 12.
     (charged,) = summary.loss_badput
     assert charged["lost"] >= 2 * 0.1 and charged["restore"] == pytest.approx(0.01) and charged["planning"] > 0
     assert charged["total"] == pytest.approx(sum(v for k, v in charged.items() if k != "total"))
     assert summary.recomputed_steps == [2]  # restored step 10 after step 12 was reached
+
+
+def test_the_callbacks_keep_the_same_record_in_any_order():
+    class Statuses(Recorder):
+        def __init__(self):
+            self.seen = []
+
+        def status(self, **fields):
+            self.seen.append(fields)
+
+    kept = []
+    for reverse in (False, True):
+        world, statuses = World(4), Statuses()
+        c, s = make(world, chaos=parse_chaos("lose@12"), recorder=statuses, reverse=reverse)
+        c.run()
+        d = s.to_dict()
+        segments = [{k: v for k, v in seg.items() if k in ("hosts", "first_step", "last_step", "median_step_seconds")}
+                    for seg in d["segments"]]  # fmt: skip
+        last = [
+            {k: seg[k] for k in ("hosts", "first_step", "median_step_seconds")} for seg in statuses.seen[-1]["segments"]
+        ]
+        kept.append((d["losses"], segments, [e["kind"] for e in d["events"]], d["recomputed_steps"], last))
+    assert kept[0] == kept[1] and len(kept[0][1]) == 2
 
 
 def test_evaluations_are_reported_like_the_training_loss_and_input_waits_charged_as_input():
