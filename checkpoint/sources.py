@@ -23,7 +23,6 @@ from . import layout
 from .errors import CheckpointCorruptError, CheckpointFormatError
 
 ORBAX_METADATA = "_METADATA"
-ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 
 
 @dataclasses.dataclass(frozen=True)

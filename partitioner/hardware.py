@@ -71,10 +71,6 @@ class Hardware:
             return dataclasses.replace(self, slice_devices=None)
         return dataclasses.replace(self, slice_devices=devices // slices)
 
-    def default_slices(self, hosts: int) -> int:
-        """Slices of a cluster of `hosts` hosts that says nothing of its own."""
-        return 1 if self.hosts_per_slice is None else max(1, hosts // self.hosts_per_slice)
-
 
 def latency_steps(kind: str, group: int) -> int:
     """Latency terms (alpha) one collective pays. All-reduce: a ring's 2(p-1), or a double binary

@@ -74,9 +74,6 @@ class Plan:
         return f"mesh {axes} ({used}" + (f" in {self.slices} slices)" if self.slices > 1 else ")")
 
     # -- binding ---------------------------------------------------------------------------
-    def abstract_mesh(self) -> jax.sharding.AbstractMesh:
-        return jax.sharding.AbstractMesh(tuple(self.mesh.values()), self.axis_names)
-
     def bind(self, devices: Sequence[jax.Device]) -> Mesh:
         """A concrete mesh on the first `devices_used` of `devices` (in the order given). On
         slices, the order given is taken as slice-major unless the devices say their slice

@@ -47,6 +47,9 @@ def test_where_slices_fail_whole_only_complete_ones_are_usable_slice_major():
     assert SliceLayout(2, "slice").usable(said) == ["a", "b", "e", "f"]
     assert SliceLayout(2, "host").usable(said) == ["a", "b", "c", "e", "f"]
     assert SliceLayout(2, "slice").slices(4) == 2 and SliceLayout(2, "host").slices(5) == 5
+    # Profiles that lay hosts out: a GB200 NVL72 rack of 18 trays, H100 hosts each their own.
+    assert SliceLayout.of("gb200-nvl72").slices(36) == 2 and SliceLayout.of("h100").slices(4) == 4
+    assert SliceLayout.of("tpu-v5p").slices(4) == 1  # no size said: one slice
 
 
 def node(node_id, slice_label=None, resource=None):

@@ -18,8 +18,8 @@ def test_profiles_have_three_levels_of_links_and_a_unit_of_failure():
         hw = PROFILES[name]
         assert hw.intra.bandwidth / hw.dcn.bandwidth == ratio
     assert PROFILES["tpu-v5p"].dcn.bandwidth == 50e9 / 8  # 50 Gb/s per chip (data sheet)
-    assert PROFILES["gb200-nvl72"].default_slices(36) == 2  # 18 trays of 4 GPUs per rack
-    assert PROFILES["h100"].default_slices(4) == 4 and PROFILES["tpu-v5p"].default_slices(4) == 1
+    assert PROFILES["gb200-nvl72"].hosts_per_slice == 18  # 18 trays of 4 GPUs per rack
+    assert PROFILES["h100"].hosts_per_slice == 1 and PROFILES["tpu-v5p"].hosts_per_slice is None
 
 
 def test_a_group_pays_the_slowest_level_it_crosses():
