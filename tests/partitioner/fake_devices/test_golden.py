@@ -1,7 +1,8 @@
 """Golden plans per (model, devices, hardware): the tactic search's choice, diffed against JSON
 files in tests/golden/. A missing golden file fails; regenerate deliberately with
-`REMESH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/partitioner/unit/test_golden.py` and review
-the diff."""
+`REMESH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/partitioner/fake_devices/test_golden.py` and
+review the diff. Every leaf of every argument is compared: a leaf added or gone fails too. Eight full
+searches: the fake-devices tier, not the unit one."""
 
 import json
 import os
@@ -43,10 +44,8 @@ def test_plan_matches_its_golden_file(model, devices, hardware):
     with open(path) as f:
         want = json.load(f)
     assert got["tactic"] == want["tactic"] and got["mesh"] == want["mesh"], (got["tactic"], got["mesh"], plan.notes)
-    diff = {
-        k: (got["in_specs"][i].get(k), v)
-        for i, specs in enumerate(want["in_specs"])
-        for k, v in specs.items()
-        if got["in_specs"][i].get(k) != v
-    }
-    assert not diff, f"{len(diff)} leaves changed sharding, e.g. {list(diff.items())[:3]}"
+    assert len(got["in_specs"]) == len(want["in_specs"]), "the step's arguments changed in number"
+    for i, (g, w) in enumerate(zip(got["in_specs"], want["in_specs"])):
+        assert set(g) == set(w), f"argument {i}: leaves added {sorted(set(g) - set(w))}, gone {sorted(set(w) - set(g))}"
+        diff = {k: (g[k], w[k]) for k in w if g[k] != w[k]}
+        assert not diff, f"argument {i}: {len(diff)} leaves changed sharding, e.g. {list(diff.items())[:3]}"
