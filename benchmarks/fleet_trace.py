@@ -79,9 +79,9 @@ def real(out_dir: str) -> None:
     """Run REAL_TRACE for real, measure what each job paid, then replay the same trace in the
     simulator on 4 hosts with those measurements under each policy, and synthetic traces at 64
     and 1,024 hosts with the measured start and resize costs."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from helpers.jobs import gpt_job
-    from helpers.ray_start import RayStartCluster
+    sys.path.insert(0, ROOT)
+    from tests.helpers.jobs import gpt_job
+    from tests.helpers.ray_start import RayStartCluster
 
     os.makedirs(out_dir, exist_ok=True)
     cluster = RayStartCluster(out_dir, workers=REAL_HOSTS, devices_per_host=2)

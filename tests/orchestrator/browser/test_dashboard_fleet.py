@@ -8,10 +8,10 @@ import time
 import urllib.request
 
 import pytest
-from helpers import browser
 
 from orchestrator.dashboard.server import DashboardConfig, make_server
 from orchestrator.dashboard.store import FleetStore, FleetStoreConfig
+from tests.helpers import browser
 
 
 @pytest.fixture

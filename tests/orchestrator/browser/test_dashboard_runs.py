@@ -6,10 +6,10 @@ import re
 import threading
 
 import pytest
-from helpers import browser
 
 from orchestrator.dashboard.server import DashboardConfig, make_server
 from orchestrator.dashboard.store import FleetStore, FleetStoreConfig
+from tests.helpers import browser
 
 
 def _steps(first, last, t0):

@@ -12,10 +12,10 @@ import sys
 
 import numpy as np
 import pytest
-from helpers.jobs import gpt_job
-from helpers.recovery import assert_at_most_the_snapshot_interval_recomputed, kinds
 
+from tests.helpers.jobs import gpt_job
 from tests.helpers.paths import ROOT
+from tests.helpers.recovery import assert_at_most_the_snapshot_interval_recomputed, kinds
 
 
 def run_job(tmp_path_factory, name, steps, chaos=None):

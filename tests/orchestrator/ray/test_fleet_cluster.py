@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-from helpers.jobs import gpt_job
-from helpers.ray_start import RayStartCluster
 
+from tests.helpers.jobs import gpt_job
 from tests.helpers.paths import ROOT
+from tests.helpers.ray_start import RayStartCluster
 
 KILL_AFTER_STEP = 25
 STRAGGLER = 1  # this host's input is slow (chaos slow@1:1) for the whole of job A
@@ -221,7 +221,7 @@ def get_json(url):
 
 @pytest.mark.browser
 def test_fleet_page_in_chromium_lists_both_jobs_with_their_figures(dashboard, fleet, tmp_path):
-    from helpers import browser
+    from tests.helpers import browser
 
     page = browser.dom(dashboard + "/", str(tmp_path / "profile"))
     shot = browser.screenshot(dashboard + "/", "dashboard-fleet.png", str(tmp_path / "profile"))
@@ -236,7 +236,7 @@ def test_fleet_page_in_chromium_lists_both_jobs_with_their_figures(dashboard, fl
 
 @pytest.mark.browser
 def test_job_page_in_chromium_charts_throughput_loss_hosts_and_marks_events(dashboard, fleet, tmp_path):
-    from helpers import browser
+    from tests.helpers import browser
 
     url = dashboard + "/jobs/fleet-a"
     page = browser.dom(url, str(tmp_path / "profile"))

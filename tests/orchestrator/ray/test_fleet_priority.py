@@ -12,10 +12,10 @@ import sys
 import time
 
 import pytest
-from helpers.jobs import gpt_job
-from helpers.ray_start import RayStartCluster
 
+from tests.helpers.jobs import gpt_job
 from tests.helpers.paths import ROOT
+from tests.helpers.ray_start import RayStartCluster
 
 pytestmark = pytest.mark.slow  # two jobs on a shared cluster, then each again alone: minutes
 DEADLINE_S = 900  # the whole scenario, bounded

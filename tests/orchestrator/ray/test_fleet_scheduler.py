@@ -6,10 +6,10 @@ import time
 
 import pytest
 import ray
-from helpers.fleet import DEADLINE_S, until
 
 from orchestrator.fleet.scheduler import FleetSchedulerConfig, Grant, start
 from orchestrator.hosts.cluster import LocalClusterConfig
+from tests.helpers.fleet import DEADLINE_S, until
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import collections
 
 import pytest
 import ray
-from helpers.fleet import until
 
 from orchestrator.fleet.scheduler import FleetSchedulerConfig, Grant, start
 from orchestrator.hosts.cluster import LocalClusterConfig
+from tests.helpers.fleet import until
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from helpers.jobs import gpt_job
 
 from checkpoint import Store
 from orchestrator.dashboard.store import FleetStore
+from tests.helpers.jobs import gpt_job
 from tests.helpers.paths import ROOT
 
 

@@ -17,9 +17,9 @@ import sys
 
 import numpy as np
 import pytest
-from helpers.recovery import assert_at_most_the_snapshot_interval_recomputed
 
 from tests.helpers.paths import ROOT
+from tests.helpers.recovery import assert_at_most_the_snapshot_interval_recomputed
 
 pytestmark = pytest.mark.slow  # a 6-host cluster and a 2-host one on this machine's cores: minutes
 

@@ -12,10 +12,10 @@ import sys
 import time
 
 import pytest
-from helpers.ray_start import RayStartCluster
-from helpers.recovery import assert_at_most_the_snapshot_interval_recomputed
 
 from tests.helpers.paths import ROOT
+from tests.helpers.ray_start import RayStartCluster
+from tests.helpers.recovery import assert_at_most_the_snapshot_interval_recomputed
 
 pytestmark = pytest.mark.slow  # a 4-host cluster and a job on it: minutes on this machine's cores
 DEADLINE_S = 600

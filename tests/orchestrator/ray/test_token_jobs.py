@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-from helpers.jobs import gpt_job
 
+from tests.helpers.jobs import gpt_job
 from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.slow  # two runs of a minute each

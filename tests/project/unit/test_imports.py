@@ -6,6 +6,7 @@ protocol and the worker never reach up into the controller, the fleet and the co
 side by side, and fault injection is loaded only where faults are asked for."""
 
 import ast
+import glob
 import os
 
 import pytest
@@ -157,3 +158,16 @@ def test_the_checks_find_a_cycle_a_disallowed_edge_and_an_eager_import():
     assert cycle({"a": {"b"}, "b": set()}) is None
     graph = {"fleet.cluster": {"control.state"}, "control.controller": {"hosts.group"}, "hosts.group": set()}
     assert disallowed(graph) == ["fleet.cluster -> control.state"]
+
+
+def test_test_helpers_are_imported_one_way():
+    """As `tests.helpers.X` only: under pytest's prepend mode `helpers.X` would load a second copy
+    of the module, with its own module-level state (a port counter, say)."""
+    found = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)):
+            for node in ast.walk(ast.parse(open(path).read())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                found += [f"{os.path.relpath(path, ROOT)}: {n}" for n in names if n.split(".")[0] == "helpers"]
+    assert found == [], "import the test helpers as tests.helpers.X"
