@@ -110,15 +110,16 @@ class FleetScheduler:
             self._decide()
 
     def queue(self) -> list[dict]:
-        """Every job, running first, then waiting in the order it would be admitted."""
-        tables = self._decide()
+        """Every job, running first, then waiting in the order it would be admitted, as the last
+        decision left them: reading the queue decides nothing and reserves nothing (the next
+        heartbeat does)."""
         now, out = time.monotonic(), []
         for e in sorted(self.jobs.values(), key=lambda e: (e.target == 0, -e.reg.priority, e.arrival)):
             out.append(
                 {
                     **dataclasses.asdict(e.reg),
                     "state": "running" if e.target else "queued",
-                    "hosts": len(_placed(e, tables[e.reg.run])),
+                    "hosts": len(_placed(e, _tables(e))),
                     "target": e.target,
                     "reason": e.shrink or e.reason,
                     "waiting_s": round(now - e.waiting_since, 1) if e.waiting_since is not None else 0.0,

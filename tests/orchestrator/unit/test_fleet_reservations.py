@@ -86,3 +86,19 @@ def test_a_reservation_caught_between_rays_two_phases_still_holds_its_host(table
     assert (mid.state, mid.target, big.target, len(fleet.jobs["big-1"].pgs)) == ("queued", 0, 4, 4)
     table.commit()
     assert len(Grant.from_dict(fleet.report("big-1")).hosts) == 4
+
+
+def test_reading_the_queue_decides_nothing_and_reserves_nothing(table, monkeypatch):
+    fleet = FleetScheduler({})
+    fleet.register(registration("a-1", max_hosts=2))
+    table.place()
+    fleet.register(registration("b-1", max_hosts=4))  # granted the two hosts left
+    table.place()
+    table.hosts += ["n4", "n5"]  # two hosts join: the next decision would reserve them for b-1
+    nodes = [{"NodeID": n, "Alive": True, "Resources": {HOST_RESOURCE: 1.0}, "Labels": {}} for n in table.hosts]
+    monkeypatch.setattr(scheduler, "_nodes", lambda: nodes)
+    made, before = len(table.state), {run: (e.target, dict(e.pgs)) for run, e in fleet.jobs.items()}
+    rows = fleet.queue()
+    assert [(r["run"], r["hosts"], r["target"]) for r in rows] == [("a-1", 2, 2), ("b-1", 2, 2)]
+    assert len(table.state) == made and {run: (e.target, dict(e.pgs)) for run, e in fleet.jobs.items()} == before
+    assert Grant.from_dict(fleet.report("b-1")).target == 4  # a heartbeat decides
