@@ -20,6 +20,7 @@
     keep = 3                       # optional: the newest committed checkpoints kept
     keep_every = 1000              # optional: also keep every step divisible by this, forever
     memory_budget = 0.05           # optional: share of step time for peer snapshots in host memory; 0: none
+    snapshot_every = 0             # optional: a peer snapshot every so many steps, whatever it costs; 0: by budget
     [options]                      # optional, free: handed to a program factory (`JobSettings.options`)
     train_tokens = ["data/train.bin"]
 
@@ -58,6 +59,9 @@ class CheckpointSpec:
     # Peer snapshots in host memory (orchestrator/worker/snapshots.py): the share of step time copying the
     # state to the host may take; the interval in steps follows from it. 0 turns them off.
     memory_budget: float = 0.05
+    # A fixed interval of peer snapshots in steps, whatever they cost (a job that wants every step
+    # covered, or a test that must not depend on the machine's load); 0: as `memory_budget` allows.
+    snapshot_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +114,14 @@ _SCHEMA: dict[str, Any] = {
     "priority": (int, 0),
     "queue": (str, "default"),
     "hosts": {"min": int, "max": int, "devices_per_host": int, "hosts_per_slice": (int, 0)},
-    "checkpoint": {"dir": str, "every": int, "keep": (int, 3), "keep_every": (int, 0), "memory_budget": (float, 0.05)},
+    "checkpoint": {
+        "dir": str,
+        "every": int,
+        "keep": (int, 3),
+        "keep_every": (int, 0),
+        "memory_budget": (float, 0.05),
+        "snapshot_every": (int, 0),
+    },
 }
 
 
@@ -237,6 +248,14 @@ def _check_values(job: JobSpec, source: str) -> None:
         0.0 <= job.checkpoint.memory_budget < 1.0,
         "key checkpoint.memory_budget must be a share of step time in [0, 1) (0: no snapshots in host memory), "
         f"got {job.checkpoint.memory_budget}",
+    )
+    need(
+        job.checkpoint.snapshot_every >= 0,
+        f"key checkpoint.snapshot_every must be 0 (as memory_budget allows) or positive, got {job.checkpoint.snapshot_every}",
+    )
+    need(
+        job.checkpoint.snapshot_every == 0 or job.checkpoint.memory_budget > 0,
+        "key checkpoint.snapshot_every needs peer snapshots on: memory_budget = 0 turns them off",
     )
 
 

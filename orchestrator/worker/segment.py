@@ -208,7 +208,7 @@ def _train(
 
     position = DataPosition(spec.global_batch, *restored.position)
     saves = Saves(loaded.store, report, spec.checkpoint.dir)
-    pace = SnapshotPace(spec.checkpoint.memory_budget, peers)
+    pace = SnapshotPace(spec.checkpoint.memory_budget, peers, fixed=spec.checkpoint.snapshot_every)
     agreement = StopAgreement(should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval)
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = loaded.plan.devices_used * profile(spec.hardware).peak_flops

@@ -19,11 +19,12 @@ class SnapshotPace:
     """How often to take a peer snapshot: after every step whose copy to the host fits the budget
     (a share of step time), measured as it goes: a copy (with any wait for queued sends) taking
     `c` seconds beside steps of `t` seconds is taken every `ceil(c / (budget * t))` steps.
-    Process 0's interval is the group's (`StopAgreement`)."""
+    Process 0's interval is the group's (`StopAgreement`). `fixed`: every so many steps instead,
+    whatever the copies take."""
 
-    def __init__(self, budget: float, peers, window: int = 5):
-        self.interval = 1 if peers is not None and budget > 0 else 0  # 0: never
-        self._budget = budget
+    def __init__(self, budget: float, peers, window: int = 5, fixed: int = 0):
+        self.interval = (fixed or 1) if peers is not None and budget > 0 else 0  # 0: never
+        self._budget, self._fixed = budget, fixed
         self.index: dict | None = None  # the snapshot index, made by the first take
         # The medians of the last few: one copy slowed by something else (a compile beside
         # training) does not stretch the interval for long.
@@ -31,7 +32,7 @@ class SnapshotPace:
         self._steps: collections.deque = collections.deque(maxlen=window)
 
     def took(self, copy_seconds: float, step_seconds: float) -> None:
-        if not self.interval or step_seconds <= 0:
+        if not self.interval or self._fixed or step_seconds <= 0:
             return
         self._copies.append(copy_seconds)
         self._steps.append(step_seconds)

@@ -105,6 +105,9 @@ def test_the_snapshot_interval_keeps_the_copy_within_its_share_of_step_time():
     pace.took(copy_seconds=0.001, step_seconds=0.1)
     assert pace.interval == 1
     assert SnapshotPace(0.0, peers=object()).interval == 0 and SnapshotPace(0.05, peers=None).interval == 0
+    fixed = SnapshotPace(0.05, peers=object(), fixed=2)  # `checkpoint.snapshot_every`: whatever it costs
+    fixed.took(copy_seconds=0.5, step_seconds=0.1)
+    assert fixed.interval == 2
 
 
 @pytest.mark.unit

@@ -39,12 +39,14 @@ hosts_per_slice = {per}
 dir = "ckpt"
 every = 10
 keep = 3
+snapshot_every = {snapshot_every}
 """
 
 
-def run(tmp_path_factory, name, hardware, chaos=None, hosts=6, per=2):
+def run(tmp_path_factory, name, hardware, chaos=None, hosts=6, per=2, snapshot_every=0):
     d = tmp_path_factory.mktemp(name)
-    (d / "job.toml").write_text(JOB.format(name=name, hardware=hardware, hosts=hosts, per=per))
+    job = JOB.format(name=name, hardware=hardware, hosts=hosts, per=per, snapshot_every=snapshot_every)
+    (d / "job.toml").write_text(job)
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(d / "job.toml"), "--summary", str(d / "summary.json"),
            "--no-store"] + (["--chaos", chaos] if chaos else [])  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -69,7 +71,9 @@ def tpu(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slice_lost(tmp_path_factory):
-    return run(tmp_path_factory, "slice", "tpu-v5p", "lose-slice@15:1")
+    # A snapshot every step, whatever the copies cost: a loaded machine would otherwise stretch the
+    # interval past the 5 steps between the commit at 10 and the loss at 15, and restore the commit.
+    return run(tmp_path_factory, "slice", "tpu-v5p", "lose-slice@15:1", snapshot_every=1)
 
 
 def same_losses(run, static):
