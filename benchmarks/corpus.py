@@ -59,7 +59,7 @@ bytes per level predicted against compiled.
 (below) at 96 layers, wall time, capture included, median of 3 in this process, alternating with
 the same search on 1,024 devices in one slice (the baseline); the guard is off.
 `slices-experts`: the corpus DeepSeek-style MoE (sort dispatch) planned on 4 slices of 2 with and
-without the meshes that put experts across slices (`tactics.sliced_meshes(..., experts=False)`
+without the meshes that put experts across slices (`meshes.sliced_meshes(..., experts=False)`
 for the baseline), both compiled and priced from the HLO, same process.
 `large`: a Llama-70B-shaped decoder (d 8192, 64 heads, 8 K/V heads, SwiGLU 28672) of 96 layers
 under `jax.checkpoint`, a global batch of 1,024 x 2,048 tokens, planned for 1,024 H100s: devices
@@ -433,19 +433,19 @@ def slices8k() -> None:
 
 
 def slices_experts() -> None:
-    from partitioner import plan, tactics, verify_many
+    from partitioner import meshes, plan, verify_many
     from tests.corpus import deepseek
 
     fn, args = deepseek.build(layers=2, form="sort")
-    sliced = tactics.sliced_meshes
+    sliced = meshes.sliced_meshes
     print("| profile | with: plan | compiled ms | dcn MB | without: plan | compiled ms | dcn MB |")
     print("|---|---|---|---|---|---|---|")
     for hardware in ("h100", "tpu-v5p"):
         plans = []
         for experts in (True, False):
-            tactics.sliced_meshes = lambda *a, experts=experts, **k: sliced(*a[:6], experts=experts and a[6])
+            meshes.sliced_meshes = lambda *a, experts=experts, **k: sliced(*a[:6], experts=experts and a[6])
             plans.append(plan(fn, *args, devices=8, slices=4, hardware=hardware))
-        tactics.sliced_meshes = sliced
+        meshes.sliced_meshes = sliced
         found = verify_many([(p, fn, args) for p in plans], hardware=hardware)
         cells = [
             f"{p.tactic} on {p.describe()} | {(v.compute_seconds + v.communication_seconds) * 1e3:.3f} | "

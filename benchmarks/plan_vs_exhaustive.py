@@ -30,12 +30,12 @@ FEASIBLE = 8000  # points priced (about 25 ms each here): larger spaces are repo
 
 
 def size(inputs) -> int:
-    from partitioner import tactics
+    from partitioner import analysis, meshes
     from partitioner.hardware import profile
 
     g, n = inputs.graph, 0
-    found = tactics.weights_in_order(inputs)
-    for mesh in tactics.mesh_shapes(8, inputs, profile("h100"), "fast"):
+    found = analysis.weights_in_order(inputs)
+    for mesh in meshes.mesh_shapes(8, inputs, profile("h100"), "fast"):
         t = mesh["model"]
         per = math.prod(1 + sum(1 for d in w.shape(g) if d % t == 0 and d >= t) for w in found)
         n += 2 if t == 1 else 2 * (per - 1)
@@ -44,35 +44,35 @@ def size(inputs) -> int:
 
 def space(inputs):
     """Every point of the space, priced."""
-    from partitioner import tactics
+    from partitioner import analysis, candidates, meshes, tactics
     from partitioner.hardware import profile
 
     hw = profile("h100")
     g = inputs.graph
-    found = tactics.weights_in_order(inputs)
+    found = analysis.weights_in_order(inputs)
     out = []
-    for mesh in tactics.mesh_shapes(8, inputs, hw, "fast"):
+    for mesh in meshes.mesh_shapes(8, inputs, hw, "fast"):
         batch = tactics.batch_shardings(inputs, mesh)
         t, d = mesh["model"], mesh["data"]
         if t == 1:
-            out.append(tactics.priced(inputs, "dp", mesh, batch, hw, batch))
+            out.append(candidates.priced(inputs, "dp", mesh, batch, hw, batch))
             if d > 1:
-                state = {v: s for v in tactics.state_values(inputs) if (s := tactics.fsdp(g.values[v].shape, d))}
-                out.append(tactics.priced(inputs, "fsdp", mesh, {**batch, **state}, hw, batch))
+                state = {v: s for v in analysis.state_values(inputs) if (s := tactics.fsdp(g.values[v].shape, d))}
+                out.append(candidates.priced(inputs, "fsdp", mesh, {**batch, **state}, hw, batch))
             continue
         options = [[None] + [k for k, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
         for choice in itertools.product(*options):
             tp = {
-                w.value: w.sharding(tactics.split_over(w.shape(g), k, "model"))
+                w.value: w.sharding(analysis.split_over(w.shape(g), k, "model"))
                 for w, k in zip(found, choice)
                 if k is not None
             }
             if not tp:
                 continue
-            out.append(tactics.priced(inputs, "split", mesh, {**batch, **tp}, hw, batch))
+            out.append(candidates.priced(inputs, "split", mesh, {**batch, **tp}, hw, batch))
             if d > 1:
-                fsdp = tactics.add_fsdp(g, tp, tactics.state_values(inputs), d)
-                out.append(tactics.priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw, batch))
+                fsdp = tactics.add_fsdp(g, tp, analysis.state_values(inputs), d)
+                out.append(candidates.priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw, batch))
     return out
 
 
@@ -85,8 +85,8 @@ def compiled(plan, fn, args):
 
 def main() -> None:
     from examples.targets import TARGETS
+    from partitioner import analysis
     from partitioner import search as search_mod
-    from partitioner import tactics
     from partitioner.hardware import profile
 
     limit = profile("h100").memory_bytes
@@ -100,7 +100,7 @@ def main() -> None:
         "moe-8x",
     ]:
         fn, args = TARGETS[name]()
-        inputs = tactics.read_inputs(fn, args, None)
+        inputs = analysis.read_inputs(fn, args, None)
         if size(inputs) > FEASIBLE:
             print(json.dumps({"model": name, "points": size(inputs), "feasible": False}), flush=True)
             continue

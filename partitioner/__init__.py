@@ -13,16 +13,19 @@ at once.
 Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, factors from
 `rules`), `replay` and `repeats` (repeated layers), `fold` (one copy of each), `propagate`,
 `cost` and `memory` (pricing; `pricing` prices candidates two at a time, one of them in a
-helper process on a second core), `tactics` and `exact` (candidates), `search`, `plan`, `verify`.
+helper process on a second core), `analysis` (the step's leaves and weights), `meshes`,
+`tactics`, `candidates` (a tactic's plan priced), `refine` and `exact` (better candidates),
+`search`, `plan`, `verify`.
 A search starts the helper; `REMESH_PRICING_HELPER=0` in the environment keeps it from starting.
 """
 
+from .candidates import Candidate
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
 from .plan import Cost, Plan, PlanMismatchError, mesh_text
 from .search import LEVELS, StepPlanner, plan
 from .shapes import plan_by_shapes
-from .tactics import TACTICS, Candidate
+from .tactics import TACTICS
 from .verify import Collective, Verification, VerifyDevicesError, verify, verify_many
 
 __all__ = [

@@ -24,19 +24,10 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from .analysis import Inputs, Weight, split_over, state_values, weights_in_order
+from .candidates import Candidate, TacticPlan, priced_each
 from .hardware import Hardware
-from .tactics import (
-    Candidate,
-    Inputs,
-    TacticPlan,
-    Weight,
-    add_fsdp,
-    batch_shardings,
-    priced_each,
-    split_over,
-    state_values,
-    weights_in_order,
-)
+from .tactics import add_fsdp, batch_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +173,7 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
 
     def price_all(choices: Iterable[Sequence[int]]) -> list[Candidate]:
         """Each choice's candidate, in order: those not priced yet are priced together, two at a
-        time (`tactics.priced_each`), the rest read from the cache."""
+        time (`candidates.priced_each`), the rest read from the cache."""
         keys = [tuple(c) for c in choices]
         new = [k for k in dict.fromkeys(keys) if k not in cache]
         cache.update(zip(new, priced_each(inputs, [plan(k) for k in new], hw)))

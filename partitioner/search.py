@@ -33,26 +33,20 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import exact
+from .analysis import Inputs, read_inputs
 from .arguments import device_count
+from .candidates import Candidate, priced_each
 from .cost import compute_floor, estimate
 from .depth import Deepened
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import Hardware, profile
+from .meshes import fast_mesh, mesh_shapes
 from .plan import Plan, _is_spec, mesh_text
 from .pricing import Pricer, start_helper
 from .propagate import Sharding
+from .refine import refined
 from .stacks import key_names
-from .tactics import (
-    TACTICS,
-    Candidate,
-    Inputs,
-    fast_mesh,
-    mesh_shapes,
-    priced_each,
-    read_inputs,
-    refined,
-    tactic_plans,
-)
+from .tactics import TACTICS, tactic_plans
 
 LEVELS = ("fast", "thorough")
 
@@ -79,7 +73,7 @@ def plan(
     `slices`: the devices are that many equal slices (TPU slices, GPU NVLink domains) joined by
     the profile's slower `dcn` link, ordered slice-major; each collective is priced by the
     slowest level its group crosses, and tensor and sequence parallelism stay inside a slice
-    unless nothing else fits (`tactics.sliced_meshes`).
+    unless nothing else fits (`meshes.sliced_meshes`).
 
     Example:
         >>> p = plan(train_step, state, batch, devices=8, hardware="h100")

@@ -106,8 +106,9 @@ def test_plan_jit_keeps_a_carried_state_in_place_without_tracing_for_outputs(gpt
 
 
 def test_fast_level_fills_the_cluster_with_model_within_a_host(gpt):
+    from partitioner.analysis import read_inputs
     from partitioner.hardware import profile
-    from partitioner.tactics import mesh_shapes, read_inputs
+    from partitioner.meshes import mesh_shapes
 
     program, state, batch = gpt
     hw = profile("h100")

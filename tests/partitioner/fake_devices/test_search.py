@@ -203,8 +203,8 @@ def test_megatron_sees_through_master_weight_casts_and_splits_heads_of_multi_axi
 
 def plan_for(candidate, fn, args):
     from partitioner import profile
+    from partitioner.analysis import read_inputs
     from partitioner.search import _to_plan
-    from partitioner.tactics import read_inputs
 
     hw = profile("h100")
     return _to_plan(read_inputs(fn, args, None), candidate, args, 8, 0.0, [candidate], hw.memory_bytes, hw)
@@ -232,7 +232,8 @@ def test_a_merged_heads_kernel_reshaped_to_heads_is_split_on_heads():
 
 def megatron_specs(fn, args, model: int) -> dict:
     """The Megatron tactic's decisions on data=8/model x model, by leaf path."""
-    from partitioner.tactics import _megatron, read_inputs
+    from partitioner.analysis import read_inputs
+    from partitioner.tactics import _megatron
 
     inputs = read_inputs(fn, args, None)
     chosen = _megatron(inputs, {"data": 8 // model, "seq": 1, "model": model})

@@ -2,9 +2,9 @@
 collectives (what a compile shows) put another more than AGREE ahead; plans on fewer devices
 are left to the roofline."""
 
+from partitioner.candidates import Candidate
 from partitioner.plan import Cost
 from partitioner.search import AGREE, CLOSE, _by_compiled_view, _pick
-from partitioner.tactics import Candidate
 
 
 def candidate(tactic, mesh, total, flops_and_collectives):

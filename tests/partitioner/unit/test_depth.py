@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from partitioner import depth, stacks
+from partitioner.analysis import read_inputs
 from partitioner.hardware import profile
-from partitioner.tactics import read_inputs, tactic_candidates
+from partitioner.tactics import tactic_candidates
 from tests.corpus import load
 
 S = jax.ShapeDtypeStruct

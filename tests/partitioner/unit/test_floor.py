@@ -4,10 +4,11 @@ that fits on more: the floor is a bound every candidate's compute stays above.""
 import jax
 import jax.numpy as jnp
 
+from partitioner.analysis import read_inputs
 from partitioner.cost import compute_floor
 from partitioner.hardware import profile
 from partitioner.search import search
-from partitioner.tactics import read_inputs, tactic_candidates
+from partitioner.tactics import tactic_candidates
 
 
 def sgd_step(params, batch):

@@ -5,12 +5,12 @@ folded graph gives what pricing the unrolled one gives."""
 import pytest
 
 from examples.targets import gpt, mlp
+from partitioner.analysis import read_inputs
 from partitioner.capture import capture
 from partitioner.cost import estimate
 from partitioner.hardware import profile
 from partitioner.propagate import propagate
 from partitioner.search import search
-from partitioner.tactics import read_inputs
 
 
 def folded_ops(layers):
@@ -73,7 +73,7 @@ def test_the_remat_estimate_matches_the_rematerialised_program():
     """What the memory error promises for `jax.checkpoint` around each layer: the estimate from
     the plain program's liveness is within 10% of the predicted peak of the same program written
     with it (MaxText's loop, FSDP over 8), and nothing is left to save in the latter."""
-    from partitioner import profile, tactics
+    from partitioner import analysis, candidates, profile, tactics
     from tests.corpus import llama_maxtext
 
     mesh, hw, found = {"data": 8, "seq": 1, "model": 1}, profile("h100"), {}
@@ -81,8 +81,8 @@ def test_the_remat_estimate_matches_the_rematerialised_program():
         fn, args = llama_maxtext.build(layers=8, remat=remat)
         inputs = read_inputs(fn, args, None)
         batch = tactics.batch_shardings(inputs, mesh)
-        fsdp = {v: s for v in tactics.state_values(inputs) if (s := tactics.fsdp(inputs.graph.values[v].shape, 8))}
-        c = tactics.priced(inputs, "fsdp", mesh, {**batch, **fsdp}, hw, batch)
+        fsdp = {v: s for v in analysis.state_values(inputs) if (s := tactics.fsdp(inputs.graph.values[v].shape, 8))}
+        c = candidates.priced(inputs, "fsdp", mesh, {**batch, **fsdp}, hw, batch)
         sizes = {v: int(c.propagation.device_bytes[v]) for v in inputs.fold.materialized}
         found[remat] = (c.cost.peak_bytes_per_device, *inputs.fold.remat_peak(sizes))
     (plain, estimate, saved), (rematerialised, _, left) = found[False], found[True]

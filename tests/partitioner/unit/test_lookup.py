@@ -9,8 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from partitioner import profile
+from partitioner.analysis import read_inputs
+from partitioner.candidates import priced
 from partitioner.search import search
-from partitioner.tactics import batch_shardings, priced, read_inputs
+from partitioner.tactics import batch_shardings
 
 VOCAB, D, BATCH, SEQ = 32000, 512, 8, 256
 

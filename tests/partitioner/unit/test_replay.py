@@ -133,7 +133,7 @@ def test_a_compact_graph_is_not_priced_as_if_unrolled():
 
 
 def test_search_on_the_compact_graph_chooses_what_the_unrolled_one_does(monkeypatch):
-    from partitioner import tactics
+    from partitioner import analysis
 
     step, args = gpt(1024, 8, 4096, 1000, 128, 6, 16)
     plans, captured = [], []
@@ -145,7 +145,7 @@ def test_search_on_the_compact_graph_chooses_what_the_unrolled_one_does(monkeypa
             captured.append(capture.capture(fn, *a, compact=_compact))
             return captured[-1]
 
-        monkeypatch.setattr(tactics, "capture", capture_as)
+        monkeypatch.setattr(analysis, "capture", capture_as)
         plan, ranked = search(step, *args, devices=8, hardware="h100", compile_check=False)
         plans.append(
             (
