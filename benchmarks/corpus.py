@@ -291,15 +291,12 @@ def helper(names) -> None:
         runs = {"off": [], "on": []}
         for _ in range(4):
             for way in runs:
-                os.environ["REMESH_PRICING_HELPER"] = "1" if way == "on" else "0"
-                if way == "off" and pricing._helper() is not None:
-                    pricing._HELPER[0].close()
                 if way == "on":
                     pricing.start_helper()
                     pricing._helper().wait_ready(30.0)
                 fn, args = module.build(layers=96, **options)
                 t = time.perf_counter()
-                p, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+                p, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False, pricing_helper=way == "on")
                 searched = float(p.notes[-1].split("search ")[1].split(" s")[0])
                 runs[way].append((time.perf_counter() - t, searched))
         for way, rows in runs.items():
@@ -362,9 +359,8 @@ def digests(devices: int, layers: int, names) -> None:
     from partitioner.search import search
     from tests.corpus import CORPUS, load
 
-    # Every candidate priced in this process, so that each propagation is counted here (the
-    # helper's prices are the same: tests/partitioner/unit/test_pricing.py).
-    os.environ["REMESH_PRICING_HELPER"] = "0"
+    # Every candidate priced in this process (pricing_helper=False), so that each propagation is
+    # counted here (the helper's prices are the same: tests/partitioner/unit/test_pricing.py).
     count, propagate = [0], pricing.propagate
 
     def counted(*args, **kwargs):
@@ -378,7 +374,7 @@ def digests(devices: int, layers: int, names) -> None:
         module, options = load(name)
         fn, args = module.build(layers=layers, **options)
         count[0] = 0
-        plan, _ = search(fn, *args, devices=devices, hardware="h100", compile_check=False)
+        plan, _ = search(fn, *args, devices=devices, hardware="h100", compile_check=False, pricing_helper=False)
         text = json.dumps([plan.to_dict()["in_specs"], plan.mesh], sort_keys=True)
         digest = hashlib.md5(text.encode()).hexdigest()[:8]
         ms = plan.cost.total_seconds * 1e3

@@ -85,7 +85,7 @@ def compiled(plan, fn, args):
 
 def main() -> None:
     from examples.targets import TARGETS
-    from partitioner import analysis
+    from partitioner import analysis, explain
     from partitioner import search as search_mod
     from partitioner.hardware import profile
 
@@ -113,7 +113,7 @@ def main() -> None:
         chosen = fitting if len(fitting) <= COMPILE_ALL_BELOW else fitting[:TOP]
         best, best_s = None, float("inf")
         for p in chosen:
-            plan = search_mod._to_plan(inputs, p, args, 8, 0.0, [p], limit, profile("h100"))
+            plan = explain.to_plan(inputs, p, args, 8, 0.0, [p], limit, profile("h100"))
             seconds, peak = compiled(plan, fn, args)
             if peak <= limit and seconds < best_s:
                 best, best_s = p, seconds

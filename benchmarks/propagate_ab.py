@@ -43,7 +43,6 @@ def main(rev: str, names) -> None:
     from tests.corpus import load
 
     old = old_module(rev)
-    os.environ["REMESH_PRICING_HELPER"] = "0"  # every propagation made (and recorded) in this process
     calls = []
     recorded = pricing.propagate
 
@@ -56,7 +55,8 @@ def main(rev: str, names) -> None:
         calls.clear()
         module, options = load(name)
         fn, args = module.build(layers=96, **options)
-        search(fn, *args, devices=1024, hardware="h100", compile_check=False)
+        # pricing_helper=False: every propagation made (and recorded) in this process
+        search(fn, *args, devices=1024, hardware="h100", compile_check=False, pricing_helper=False)
         graphs = {tag: _uncached(calls[0][0]) for tag in ("rev", "now")}  # each revision's own per-graph caches
         times, same = {"rev": [], "now": []}, True
         gc.disable()

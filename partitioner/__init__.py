@@ -16,14 +16,16 @@ Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, fa
 helper process on a second core), `analysis` (the step's leaves and weights), `meshes`,
 `tactics`, `candidates` (a tactic's plan priced), `refine` and `exact` (better candidates),
 `search`, `plan`, `verify`.
-A search starts the helper; `REMESH_PRICING_HELPER=0` in the environment keeps it from starting.
+A search starts the helper; `PlanOptions(pricing_helper=False)` prices without it. `PlanOptions`
+holds the options `plan`, `search` and `StepPlanner.plan` share.
 """
 
 from .candidates import Candidate
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
+from .options import LEVELS, PlanOptions
 from .plan import Cost, Plan, PlanMismatchError, mesh_text
-from .search import LEVELS, StepPlanner, plan
+from .search import StepPlanner, plan
 from .shapes import plan_by_shapes
 from .tactics import TACTICS
 from .verify import Collective, Verification, VerifyDevicesError, verify, verify_many
@@ -40,6 +42,7 @@ __all__ = [
     "PlanInputError",
     "PlanMemoryError",
     "PlanMismatchError",
+    "PlanOptions",
     "StepPlanner",
     "TACTICS",
     "UnknownHardwareError",

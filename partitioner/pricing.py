@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import gc
 import io
@@ -73,7 +75,7 @@ class Pricer:
 
     def share(self) -> None:
         """The graph sent to the helper now, ahead of the first jobs, where it is free and ready."""
-        helper = _helper()
+        helper = _helper() if _HELPING.get() else None
         if helper is not None and helper.lock.acquire(blocking=False):
             try:
                 helper.load(self.fold, self.hw)
@@ -87,7 +89,7 @@ class Pricer:
         on one mesh, next to each other, share their batch's spreading), where a reader that may
         stop has it price the job after the one read next."""
         jobs = jobs if isinstance(jobs, Sequence) else list(jobs)  # a sequence may make its jobs when asked
-        helper = _helper() if len(jobs) > 1 else None
+        helper = _helper() if len(jobs) > 1 and _HELPING.get() else None
         if helper is None or not helper.lock.acquire(blocking=False):  # another thread's plan has it
             helper = None
         elif not helper.load(self.fold, self.hw):
@@ -224,16 +226,30 @@ _serve()
 _HELPER: list[_Helper] = []  # this process's, once started
 
 
-def start_helper(always: bool = False) -> None:
+def start_helper(enabled: bool = True, always: bool = False) -> None:
     """Starts the helper where a second core is free and none runs: at a search's start, so its
-    imports overlap the tracing. REMESH_PRICING_HELPER=0 in the environment turns it off;
+    imports overlap the tracing. `enabled` False (`PlanOptions.pricing_helper`) starts none;
     `always` starts one on a single core too (tests)."""
-    off = os.environ.get("REMESH_PRICING_HELPER") == "0" or _cores() < 2
-    if _helper() is not None or (off and not always):
+    if not enabled or _helper() is not None or (_cores() < 2 and not always):
         return
     if not _HELPER:
         atexit.register(lambda: _HELPER[0].close())
     _HELPER[:] = [_Helper()]
+
+
+# Whether the search this thread runs prices with the helper (`PlanOptions.pricing_helper`): set
+# by the search around its work, read by every `Pricer` it makes.
+_HELPING: contextvars.ContextVar[bool] = contextvars.ContextVar("remesh_pricing_helper", default=True)
+
+
+@contextlib.contextmanager
+def helping(enabled: bool):
+    """Within the block, this thread's pricers use the helper only where `enabled`."""
+    token = _HELPING.set(enabled)
+    try:
+        yield
+    finally:
+        _HELPING.reset(token)
 
 
 def _cores() -> int:

@@ -204,10 +204,10 @@ def test_megatron_sees_through_master_weight_casts_and_splits_heads_of_multi_axi
 def plan_for(candidate, fn, args):
     from partitioner import profile
     from partitioner.analysis import read_inputs
-    from partitioner.search import _to_plan
+    from partitioner.explain import to_plan
 
     hw = profile("h100")
-    return _to_plan(read_inputs(fn, args, None), candidate, args, 8, 0.0, [candidate], hw.memory_bytes, hw)
+    return to_plan(read_inputs(fn, args, None), candidate, args, 8, 0.0, [candidate], hw.memory_bytes, hw)
 
 
 def test_a_merged_heads_kernel_reshaped_to_heads_is_split_on_heads():

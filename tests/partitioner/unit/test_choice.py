@@ -3,8 +3,8 @@ collectives (what a compile shows) put another more than AGREE ahead; plans on f
 are left to the roofline."""
 
 from partitioner.candidates import Candidate
+from partitioner.guard import AGREE, CLOSE, by_compiled_view, pick
 from partitioner.plan import Cost
-from partitioner.search import AGREE, CLOSE, _by_compiled_view, _pick
 
 
 def candidate(tactic, mesh, total, flops_and_collectives):
@@ -17,28 +17,28 @@ def test_the_view_overrules_the_roofline_only_by_more_than_agree():
     roofline = candidate("dp", {"data": 8, "model": 1}, 1.00, 1.00)
     near = candidate("megatron", {"data": 4, "model": 2}, 1.02, 1.00 / AGREE * 1.001)
     far = candidate("megatron", {"data": 4, "model": 2}, 1.02, 0.80)
-    assert _pick(roofline, _by_compiled_view([roofline, near])) is roofline
-    assert _pick(roofline, _by_compiled_view([roofline, far])) is far
+    assert pick(roofline, by_compiled_view([roofline, near])) is roofline
+    assert pick(roofline, by_compiled_view([roofline, far])) is far
 
 
 def test_plans_on_fewer_devices_or_beyond_close_are_not_weighed_by_the_view():
     roofline = candidate("dp", {"data": 8, "model": 1}, 1.00, 1.00)
     fewer = candidate("dp", {"data": 4, "model": 1}, 1.05, 0.50)
     beyond = candidate("fsdp", {"data": 8, "model": 1}, CLOSE * 1.01, 0.50)
-    view = _by_compiled_view([roofline, fewer, beyond])
+    view = by_compiled_view([roofline, fewer, beyond])
     assert view == [roofline]
-    assert _pick(roofline, view) is roofline
+    assert pick(roofline, view) is roofline
 
 
 def test_on_slices_the_best_plan_that_puts_another_axis_across_them_is_compiled_beside_it():
     from partitioner import profile
-    from partitioner.search import _across_rival
+    from partitioner.guard import across_rival
 
     hw = profile("tpu-v5p").sliced(8, 4)  # 4 slices of 2 devices
     hsdp = candidate("fsdp", {"replica": 2, "data": 2, "seq": 1, "model": 1}, 1.00, 1.00)  # replica across
     wider = candidate("fsdp", {"replica": 4, "data": 2, "seq": 1, "model": 1}, 1.10, 1.10)  # replica across too
     megatron = candidate("megatron", {"data": 2, "seq": 1, "model": 2}, 1.15, 1.15)  # data across
     far = candidate("dp", {"data": 4, "seq": 1, "model": 1}, CLOSE * 1.01, 1.0)
-    assert _across_rival(hsdp, [hsdp, wider, megatron, far], hw) is megatron
-    assert _across_rival(hsdp, [hsdp, wider, far], hw) is None  # beyond CLOSE: the roofline decides
-    assert _across_rival(hsdp, [hsdp, megatron], profile("tpu-v5p")) is None  # one slice: nothing crosses
+    assert across_rival(hsdp, [hsdp, wider, megatron, far], hw) is megatron
+    assert across_rival(hsdp, [hsdp, wider, far], hw) is None  # beyond CLOSE: the roofline decides
+    assert across_rival(hsdp, [hsdp, megatron], profile("tpu-v5p")) is None  # one slice: nothing crosses

@@ -16,7 +16,6 @@ from tests.corpus import load
 @pytest.fixture
 def helper(monkeypatch):
     """A fresh helper, ready, with a count of the jobs sent to it; closed after the test."""
-    monkeypatch.delenv("REMESH_PRICING_HELPER", raising=False)
     if pricing._helper() is not None:
         pricing._HELPER[0].close()
     pricing.start_helper(always=True)
@@ -30,16 +29,10 @@ def helper(monkeypatch):
     h.close()
 
 
-def _without_helper(monkeypatch):
-    monkeypatch.setenv("REMESH_PRICING_HELPER", "0")
-    if pricing._helper() is not None:
-        pricing._HELPER[0].close()
-
-
-def _ranked(name, devices, **options):
+def _ranked(name, devices, helper=True, **options):
     module, kwargs = load(name)
     fn, args = module.build(**{**kwargs, **options})
-    plan, ranked = search(fn, *args, devices=devices, hardware="h100", compile_check=False)
+    plan, ranked = search(fn, *args, devices=devices, hardware="h100", compile_check=False, pricing_helper=helper)
     return plan, [(c.tactic, dict(c.mesh), c.cost) for c in ranked]
 
 
@@ -54,8 +47,9 @@ def _specs(plan):
 def test_the_helper_prices_every_candidate_as_this_process_does(helper, monkeypatch, name, devices, options):
     on, ranked_on = _ranked(name, devices, **options)
     assert helper.sent, "the helper priced nothing: the test compares nothing"
-    _without_helper(monkeypatch)
-    off, ranked_off = _ranked(name, devices, **options)
+    sent = len(helper.sent)
+    off, ranked_off = _ranked(name, devices, helper=False, **options)
+    assert len(helper.sent) == sent, "pricing_helper=False sent jobs to the helper"
     assert ranked_on == ranked_off
     assert _specs(on) == _specs(off)
 
@@ -67,8 +61,7 @@ def test_a_refinement_that_keeps_a_trial_drops_what_was_priced_past_it(helper, m
     on, ranked_on = _ranked("llama-gqa-tile", 8)
     assert on.tactic == "refined" and helper.sent
     again, ranked_again = _ranked("llama-gqa-tile", 8)
-    _without_helper(monkeypatch)
-    off, ranked_off = _ranked("llama-gqa-tile", 8)
+    off, ranked_off = _ranked("llama-gqa-tile", 8, helper=False)
     assert ranked_on == ranked_again == ranked_off
     assert _specs(on) == _specs(again) == _specs(off)
 
@@ -88,8 +81,7 @@ def test_a_helper_that_stalls_is_left_and_the_plan_is_the_same(helper, monkeypat
         if helper.proc.poll() is None:
             os.kill(helper.proc.pid, signal.SIGCONT)
     assert not helper.alive, "the stalled helper should have been given up"
-    _without_helper(monkeypatch)
-    off, ranked_off = _ranked("llama-maxtext", 8)
+    off, ranked_off = _ranked("llama-maxtext", 8, helper=False)
     assert ranked_on == ranked_off and _specs(on) == _specs(off)
 
 
@@ -102,8 +94,7 @@ def test_a_helper_that_stalls_before_taking_the_graph_is_left_too(helper, monkey
         if helper.proc.poll() is None:
             os.kill(helper.proc.pid, signal.SIGCONT)
     assert not helper.alive
-    _without_helper(monkeypatch)
-    off, ranked_off = _ranked("llama-maxtext", 8)
+    off, ranked_off = _ranked("llama-maxtext", 8, helper=False)
     assert ranked_on == ranked_off and _specs(on) == _specs(off)
 
 
@@ -113,8 +104,7 @@ def test_a_dead_helper_is_left_and_a_search_starts_another(helper, monkeypatch):
     on, ranked_on = _ranked("llama-maxtext", 8)
     assert not helper.alive
     assert pricing._helper() is not None and pricing._helper() is not helper, "no new helper was started"
-    _without_helper(monkeypatch)
-    off, ranked_off = _ranked("llama-maxtext", 8)
+    off, ranked_off = _ranked("llama-maxtext", 8, helper=False)
     assert ranked_on == ranked_off and _specs(on) == _specs(off)
 
 

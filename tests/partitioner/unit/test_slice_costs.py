@@ -5,7 +5,7 @@ import pytest
 
 from partitioner import PROFILES, profile
 from partitioner.cost import Split
-from partitioner.search import crossing
+from partitioner.explain import crossing
 
 
 def test_profiles_have_three_levels_of_links_and_a_unit_of_failure():
