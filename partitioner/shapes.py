@@ -1,9 +1,10 @@
 """The first planner: data parallelism, or FSDP when the replicated state would not fit.
 
-Candidates are the meshes (data=d, fsdp=f) with d*f = m, for m = n, n-1, ..., 1 devices. A mesh is
-usable when the leading (batch) dimension of every batch leaf divides by m, because JAX refuses
-uneven shardings. FSDP shards each state leaf along its largest dimension that divides by f; a leaf
-with no such dimension stays replicated. The plan uses as many devices as any usable mesh allows,
+Candidates are the meshes of d replicas of f FSDP shards, d*f = m, for m = n, n-1, ..., 1 devices:
+(data=d) for plain data parallelism, (replica=d, data=f) with FSDP, the axis names the search's
+plans use (`fsdp`). A mesh is usable when the leading (batch) dimension of every batch leaf divides
+by m, because JAX refuses uneven shardings. FSDP shards each state leaf by the one rule
+(`fsdp.fsdp_dim`); a leaf with no such dimension stays replicated. The plan uses as many devices as any usable mesh allows,
 then plain data parallelism if the replicated state fits the memory limit, else the smallest FSDP
 degree that fits; the notes say what was given up and why. The cost is predicted, not searched.
 
@@ -26,6 +27,8 @@ from .arguments import abstract_leaf, device_count
 from .arguments import batch_argnums as batch_argnums_of
 from .cost import Cost
 from .errors import PlanInputError, PlanMemoryError
+from .fsdp import AXIS as FSDP_AXIS
+from .fsdp import fsdp_dim
 from .hardware import Hardware, latency_steps, profile
 from .plan import Plan
 from .verify import analysed_flops
@@ -40,8 +43,10 @@ class _Candidate:
 
     @property
     def mesh(self) -> dict[str, int]:
-        axes = {"data": self.data, "fsdp": self.fsdp}
-        return {k: v for k, v in axes.items() if v > 1} or {"data": 1}
+        if self.fsdp == 1:
+            return {"data": self.data}
+        axes = {"replica": self.data, FSDP_AXIS: self.fsdp}  # state replicated over replica, sharded over data
+        return {k: v for k, v in axes.items() if v > 1}
 
 
 def plan_by_shapes(fn, *args, devices, hardware="h100", memory_limit=None, batch_argnums=None) -> Plan:
@@ -139,13 +144,11 @@ def _candidates(m: int, abstract, batch_argnums, flops: float, hw: Hardware):
 
 
 def _fsdp_spec(x, f: int) -> P:
-    if f == 1:
-        return P()
-    dims = sorted((d for d in range(x.ndim) if x.shape[d] % f == 0 and x.shape[d] >= f), key=lambda d: -x.shape[d])
-    if not dims:
+    d = fsdp_dim(x.shape, f) if f > 1 else None
+    if d is None:
         return P()
     spec = [None] * x.ndim
-    spec[dims[0]] = "fsdp"
+    spec[d] = FSDP_AXIS
     return P(*spec)
 
 

@@ -37,6 +37,8 @@ from collections.abc import Mapping
 
 from .analysis import MATMULS, Inputs, Weight, experts, split_over, state_values, weights_in_order
 from .candidates import Candidate, TacticPlan, priced_each
+from .fsdp import AXIS as FSDP_AXIS
+from .fsdp import fsdp_dim
 from .hardware import Hardware
 from .ir import FactorKind, Graph
 from .propagate import Sharding, Spreading
@@ -114,22 +116,20 @@ def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[TacticPlan]:
 
 
 def fsdp(shape, d: int) -> Sharding | None:
-    dims = [i for i, s in enumerate(shape) if s % d == 0 and s >= d]
-    if not dims:
-        return None
-    i = max(dims, key=lambda k: shape[k])
-    return tuple(("data",) if k == i else () for k in range(len(shape)))
+    """A state leaf alone sharded FSDP over `d` (`fsdp.fsdp_dim`), or None."""
+    i = fsdp_dim(shape, d)
+    return None if i is None else split_over(shape, i, FSDP_AXIS)
 
 
 def add_fsdp(g: Graph, tp: Mapping[int, Sharding], state: list[int], d: int) -> dict[int, Sharding]:
+    """`tp` with every state leaf also sharded FSDP over `d`, on a dimension `tp` leaves whole."""
     out = dict(tp)
     for v in state:
         shape = g.values[v].shape
         current = list(tp.get(v, ((),) * len(shape)))
-        free = [i for i in range(len(shape)) if not current[i] and shape[i] % d == 0 and shape[i] >= d]
-        if free:
-            i = max(free, key=lambda k: shape[k])
-            current[i] = ("data",)
+        i = fsdp_dim(shape, d, [bool(axes) for axes in current])
+        if i is not None:
+            current[i] = (FSDP_AXIS,)
             out[v] = tuple(current)
     return out
 
