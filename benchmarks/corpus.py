@@ -243,7 +243,7 @@ def _thorough_planned(root: str, name: str) -> tuple:
         "    seconds = time.perf_counter() - t\n"
         "spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)\n"
         "specs = [jax.tree.leaves(p.in_specs, is_leaf=spec), jax.tree.leaves(p.out_specs, is_leaf=spec)]\n"
-        "top = [(c.tactic, sorted(c.mesh.items()), round(c.cost.total_seconds, 15)) for c in ranked]\n"
+        "top = [(str(c.tactic), sorted(c.mesh.items()), round(c.cost.total_seconds, 15)) for c in ranked]\n"
         "digest = lambda x: hashlib.sha1(repr(x).encode()).hexdigest()[:12]\n"
         "print(json.dumps([seconds, digest((p.mesh, specs, p.tactic)), digest(top), len(ranked)]))"
     )

@@ -55,10 +55,10 @@ def space(inputs):
         batch = tactics.batch_shardings(inputs, mesh)
         t, d = mesh["model"], mesh["data"]
         if t == 1:
-            out.append(candidates.priced(inputs, "dp", mesh, batch, hw, batch))
+            out.append(candidates.priced(inputs, candidates.Tactic("dp"), mesh, batch, hw, batch))
             if d > 1:
                 state = {v: s for v in analysis.state_values(inputs) if (s := tactics.fsdp(g.values[v].shape, d))}
-                out.append(candidates.priced(inputs, "fsdp", mesh, {**batch, **state}, hw, batch))
+                out.append(candidates.priced(inputs, candidates.Tactic("fsdp"), mesh, {**batch, **state}, hw, batch))
             continue
         options = [[None] + [k for k, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
         for choice in itertools.product(*options):
@@ -69,10 +69,12 @@ def space(inputs):
             }
             if not tp:
                 continue
-            out.append(candidates.priced(inputs, "split", mesh, {**batch, **tp}, hw, batch))
+            out.append(candidates.priced(inputs, candidates.Tactic("split"), mesh, {**batch, **tp}, hw, batch))
             if d > 1:
                 fsdp = tactics.add_fsdp(g, tp, analysis.state_values(inputs), d)
-                out.append(candidates.priced(inputs, "split+fsdp", mesh, {**batch, **fsdp}, hw, batch))
+                out.append(
+                    candidates.priced(inputs, candidates.Tactic("split", fsdp=True), mesh, {**batch, **fsdp}, hw, batch)
+                )
     return out
 
 

@@ -21,8 +21,35 @@ from .propagate import Propagation, Sharding, propagate
 
 
 @dataclasses.dataclass(frozen=True)
+class Tactic:
+    """What made a candidate: its tactic (`tactics.TACTICS`: "dp", "megatron", "refined", ...),
+    whether the state is also sharded FSDP over data, and whether the mesh splits the sequence
+    (every tactic is sequence parallel on a mesh with seq > 1). Said as "megatron+fsdp+sequence"."""
+
+    kind: str
+    fsdp: bool = False
+    sequence: bool = False
+
+    def __str__(self) -> str:
+        return self.kind + ("+fsdp" if self.fsdp else "") + ("+sequence" if self.sequence else "")
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    @property
+    def named(self) -> str:
+        """The name a search's `tactics` option picks it by (sequence parallelism follows the mesh)."""
+        return str(dataclasses.replace(self, sequence=False))
+
+    @property
+    def shards_state(self) -> bool:
+        """The state is sharded over data (FSDP alone, or beside another tactic)."""
+        return self.fsdp or self.kind == "fsdp"
+
+
+@dataclasses.dataclass(frozen=True)
 class Candidate:
-    tactic: str
+    tactic: Tactic
     mesh: Mapping[str, int]
     annotations: Mapping[int, Sharding]
     cost: Cost
@@ -46,7 +73,7 @@ class TacticPlan(NamedTuple):
     """One tactic's annotations on one mesh, to price: `annotations` hold the batch's, which
     `batch` names again so that they spread first."""
 
-    name: str
+    tactic: Tactic
     mesh: Mapping[str, int]
     annotations: Mapping[int, Sharding]
     batch: Mapping[int, Sharding]
@@ -54,7 +81,7 @@ class TacticPlan(NamedTuple):
 
 def priced(
     inputs: Inputs,
-    name: str,
+    tactic: Tactic,
     mesh: Mapping[str, int],
     annotations: Mapping[int, Sharding],
     hw: Hardware,
@@ -63,7 +90,7 @@ def priced(
 ) -> Candidate | None:
     """`annotations` (the batch's among them) with optimizer state mirrored, propagated with the
     batch first, and priced; None where it takes `beyond` seconds or more (`estimate`)."""
-    return next(_each(inputs, [TacticPlan(name, mesh, annotations, batch)], hw, beyond))
+    return next(_each(inputs, [TacticPlan(tactic, mesh, annotations, batch)], hw, beyond))
 
 
 def priced_each(
@@ -83,7 +110,7 @@ def _each(inputs: Inputs, plans: Sequence[TacticPlan], hw: Hardware, beyond: flo
             if prop is not None
             else functools.partial(propagate, inputs.graph, job.annotations, job.mesh, first=plan.batch)
         )
-        yield None if cost is None else Candidate(plan.name, job.mesh, job.annotations, cost, spread)
+        yield None if cost is None else Candidate(plan.tactic, job.mesh, job.annotations, cost, spread)
 
 
 class _Jobs(Sequence):

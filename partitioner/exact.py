@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .analysis import Inputs, Weight, split_over, state_values, weights_in_order
-from .candidates import Candidate, TacticPlan, priced_each
+from .candidates import Candidate, Tactic, TacticPlan, priced_each
 from .hardware import Hardware
 from .tactics import add_fsdp, batch_shardings
 
@@ -160,7 +160,7 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
     batch = batch_shardings(inputs, mesh)
     found = weights_in_order(inputs)
     options = [[None] + [d for d, n in enumerate(w.shape(g)) if n % t == 0 and n >= t] for w in found]
-    name = "exact" + ("+sequence" if mesh["seq"] > 1 else "")
+    name = Tactic("exact", sequence=mesh["seq"] > 1)
     cache: dict[tuple, Candidate] = {}
 
     def plan(key: tuple[int, ...]) -> TacticPlan:
@@ -200,7 +200,11 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
         plans = []
         for c in out:
             tp = {w.value: c.annotations[w.value] for w in found if w.value in c.annotations}
-            plans.append(TacticPlan(name + "+fsdp", mesh, {**batch, **add_fsdp(g, tp, state, mesh["data"])}, batch))
+            plans.append(
+                TacticPlan(
+                    dataclasses.replace(name, fsdp=True), mesh, {**batch, **add_fsdp(g, tp, state, mesh["data"])}, batch
+                )
+            )
         out += priced_each(inputs, plans, hw)
     return out
 

@@ -80,7 +80,7 @@ def to_plan(
         search_seconds=seconds,
         devices=devices,
         notes=notes,
-        tactic=best.tactic,
+        tactic=str(best.tactic),
         slices=slices,
     )
 
@@ -103,7 +103,7 @@ def _slow_link_note(best: Candidate, ranked: list[Candidate], hw: Hardware, limi
     """Which axis crosses the slow link, and why: the best plan that puts something else there."""
     mine = crossing(best.mesh, hw)
     slow, fast = hw.dcn or hw.inter, hw.link(hw.slice_devices)
-    fsdp = "fsdp" in best.tactic
+    fsdp = best.tactic.shards_state
     role = lambda a: (  # noqa: E731
         "data parallel, FSDP over data inside each slice (HSDP)" if a == "replica" and fsdp
         else ROLES.get(a) or ("FSDP" if fsdp else "data parallel")

@@ -105,7 +105,7 @@ def guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, hw
     unknown = sorted(inputs.fold.graph.unknown.items())
     ruleless = f"planned without a rule: {', '.join(f'{k} x{n}' for k, n in unknown)}" if unknown else ""
     # Fast's own pool among them (the same at thorough), so thorough weighs what fast weighs.
-    pools = [fitting, [c for c in fitting if fast_mesh(c.mesh, hw) and not c.tactic.startswith("exact")]]
+    pools = [fitting, [c for c in fitting if fast_mesh(c.mesh, hw) and c.tactic.kind != "exact"]]
     pools = [pool for pool in pools if pool]
     views = [by_compiled_view(pool) for pool in pools]
     picks = [pick(pool[0], view) for pool, view in zip(pools, views)]

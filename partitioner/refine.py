@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 
 from .analysis import Inputs, Weight, mirror_optimizer_state, state_values, weights_in_order
-from .candidates import Candidate, TacticPlan, _each, priced
+from .candidates import Candidate, Tactic, TacticPlan, _each, priced
 from .hardware import Hardware
 from .ir import Graph
 from .meshes import fast_mesh
@@ -47,7 +47,7 @@ def refined(
         meshes = list(dict.fromkeys(tuple(c.mesh.items()) for c in pool))[:count]
         for c in pool:
             if tuple(c.mesh.items()) in meshes:
-                starts.setdefault((tuple(c.mesh.items()), "fsdp" in c.tactic), c)
+                starts.setdefault((tuple(c.mesh.items()), c.tactic.shards_state), c)
     if level == "fast":
         # Refinement keeps every trial's FSDP: a start slower than its mesh's start without
         # FSDP, which fits too, is not expected to overtake it, and refining it doubles the work.
@@ -69,7 +69,7 @@ REFINE_REACH = 1.25  # the fast level refines a start at most this much slower t
 def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bool) -> Candidate:
     mesh, g = dict(start.mesh), inputs.graph
     batch, state = batch_shardings(inputs, mesh), state_values(inputs)
-    name = "refined" + ("+fsdp" if fsdp else "") + ("+sequence" if mesh["seq"] > 1 else "")
+    name = Tactic("refined", fsdp, mesh["seq"] > 1)
     model_only = lambda sh: tuple(tuple(a for a in axes if a == "model") for axes in sh)
     weights = weights_in_order(inputs)
     chosen = {w.value: model_only(start.annotations[w.value]) for w in weights if w.value in start.annotations}

@@ -203,7 +203,7 @@ def _tactic_candidates(inputs: Inputs, meshes, hw: Hardware, limit: int, tactics
             p
             for mesh in groups[count]
             for p in tactic_plans(inputs, mesh)
-            if tactics is None or p.name.split("+sequence")[0] in tactics
+            if tactics is None or p.tactic.named in tactics
         ]
         candidates += priced_each(inputs, plans, hw)
     return candidates, floored

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Mapping
 
 from .analysis import MATMULS, Inputs, Weight, experts, split_over, state_values, weights_in_order
-from .candidates import Candidate, TacticPlan, priced_each
+from .candidates import Candidate, Tactic, TacticPlan, priced_each
 from .fsdp import AXIS as FSDP_AXIS
 from .fsdp import fsdp_dim
 from .hardware import Hardware
@@ -88,28 +88,31 @@ def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[TacticPlan]:
     plans = {}
     if mesh.get("expert", 1) > 1:  # experts across slices, and nothing else on the expert axis
         ep = experts(inputs, mesh, "expert")
-        return [TacticPlan("expert", mesh, {**batch, **ep}, batch)] if ep else []
+        return [TacticPlan(Tactic("expert"), mesh, {**batch, **ep}, batch)] if ep else []
+    seq = mesh["seq"] > 1
+    plans: dict[Tactic, dict] = {}
     if mesh["model"] == 1:  # a model axis no weight uses would only repeat the same work
-        plans["dp"] = dict(batch)
+        plans[Tactic("dp", sequence=seq)] = dict(batch)
         if mesh["data"] > 1:
-            plans["fsdp"] = {**batch, **{v: s for v in state if (s := fsdp(g.values[v].shape, mesh["data"]))}}
+            state_fsdp = {v: s for v in state if (s := fsdp(g.values[v].shape, mesh["data"]))}
+            plans[Tactic("fsdp", sequence=seq)] = {**batch, **state_fsdp}
     else:
         tp = _megatron(inputs, mesh)
-        plans["megatron"] = {**batch, **tp}
+        plans[Tactic("megatron", sequence=seq)] = {**batch, **tp}
         if mesh["data"] > 1:
-            plans["megatron+fsdp"] = {**batch, **add_fsdp(g, tp, state, mesh["data"])}
+            plans[Tactic("megatron", True, seq)] = {**batch, **add_fsdp(g, tp, state, mesh["data"])}
         ep = experts(inputs, mesh)
         if ep:
-            plans["expert"] = {**batch, **ep}
+            plans[Tactic("expert", sequence=seq)] = {**batch, **ep}
             em = _megatron(inputs, mesh, preset=ep)
-            plans["expert+megatron"] = {**batch, **em}
+            plans[Tactic("expert+megatron", sequence=seq)] = {**batch, **em}
             if mesh["data"] > 1:
-                plans["expert+megatron+fsdp"] = {**batch, **add_fsdp(g, em, state, mesh["data"])}
+                plans[Tactic("expert+megatron", True, seq)] = {**batch, **add_fsdp(g, em, state, mesh["data"])}
     if mesh.get("replica", 1) > 1:  # without FSDP, replica x data is the data axis of their product
-        plans = {k: v for k, v in plans.items() if "fsdp" in k}
+        plans = {k: v for k, v in plans.items() if k.shards_state}
     return [
-        TacticPlan(name + ("+sequence" if mesh["seq"] > 1 else ""), mesh, chosen, batch)
-        for name, chosen in plans.items()
+        TacticPlan(tactic, mesh, chosen, batch)
+        for tactic, chosen in plans.items()
         # A tactic that found nothing to split: the model axis would only repeat work.
         if mesh["model"] == 1 or any("model" in axes for sh in chosen.values() for axes in sh)
     ]

@@ -26,10 +26,10 @@ def test_large_weights_on_8_h100_recover_megatron_column_then_row():
         assert layer["w1"] == P(None, "model") and layer["w2"] == P("model"), layer  # column, then row
         mu = plan.in_specs[0]["opt"][0].mu[f"layer{i}"]
         assert mu["w1"] == layer["w1"] and mu["w2"] == layer["w2"]  # optimizer state follows
-    tactics = {c.tactic for c in ranked}
+    tactics = {str(c.tactic) for c in ranked}
     assert {"dp", "fsdp", "megatron", "megatron+fsdp"} <= tactics
     assert plan.notes[0].startswith("chosen: megatron")
-    dp = min((c for c in ranked if c.tactic == "dp"), key=lambda c: c.cost.total_seconds)
+    dp = min((c for c in ranked if str(c.tactic) == "dp"), key=lambda c: c.cost.total_seconds)
     assert dp.cost.communication_seconds > ranked[0].cost.communication_seconds  # why: gradients outweigh activations
 
 
@@ -45,7 +45,7 @@ def test_a_memory_limit_forces_sharded_weights_and_an_impossible_one_says_by_how
     replicated = 3 * 2 * 2 * 8192 * 32768 * 4  # params, mu, nu
     plan, ranked = search(step, state, x, devices=8, hardware="h100", memory_limit=replicated // 3, compile_check=False)
     assert plan.cost.peak_bytes_per_device <= replicated // 3
-    assert all(c.cost.peak_bytes_per_device > replicated // 3 for c in ranked if c.tactic == "dp")
+    assert all(c.cost.peak_bytes_per_device > replicated // 3 for c in ranked if str(c.tactic) == "dp")
     with pytest.raises(PlanMemoryError, match=r"no plan fits 0.50 GiB per device: the smallest needs .* GiB over"):
         search(step, state, x, devices=8, hardware="h100", memory_limit=2**29, compile_check=False)
 
@@ -63,8 +63,8 @@ def test_stacked_expert_weights_are_considered_for_expert_parallelism():
     w = {"up": f32(experts, d, f), "down": f32(experts, f, d)}
     x = f32(experts, tokens // experts, d)
     plan, ranked = search(step, w, x, devices=8, hardware="h100", batch_argnums=(1,), compile_check=False)
-    expert = [c for c in ranked if c.tactic == "expert"]
-    assert expert, [c.tactic for c in ranked]
+    expert = [c for c in ranked if str(c.tactic) == "expert"]
+    assert expert, [str(c.tactic) for c in ranked]
     up = [v for v, s in expert[0].annotations.items() if s and s[0] == ("model",)]
     assert len(up) >= 2  # both stacked weights split over experts
 
@@ -103,7 +103,7 @@ def test_the_moe_example_weighs_expert_parallelism_and_splits_experts():
 
     fn, args = TARGETS["moe-8x"]()
     plan, ranked = search(fn, *args, devices=8, hardware="h100")
-    tactics = {c.tactic for c in ranked}
+    tactics = {str(c.tactic) for c in ranked}
     assert {"expert", "expert+megatron", "megatron"} <= tactics, tactics
     # Experts over model, attention by Megatron, the router replicated: cheaper under the compiler
     # than every hand plan (BENCHMARKS.md), and the fast level's choice among close predictions by
@@ -123,8 +123,8 @@ def test_thorough_adds_sequence_meshes_and_the_exact_solver_and_is_never_worse()
     slow, ranked = search(step, state, x, devices=8, hardware="h100", level="thorough", compile_check=False)
     assert {c.mesh["seq"] for c in fast_ranked} == {1}
     seq = [c for c in ranked if c.mesh["seq"] > 1]
-    assert seq and all(c.tactic.endswith("+sequence") for c in seq)
-    assert any(c.tactic.startswith("exact") for c in ranked)
+    assert seq and all(c.tactic.sequence for c in seq)
+    assert any(c.tactic.kind == "exact" for c in ranked)
     assert slow.cost.total_seconds <= fast.cost.total_seconds * (1 + 1e-9)
     assert any("level thorough" in n for n in slow.notes) and any("level fast" in n for n in fast.notes)
 
@@ -188,8 +188,8 @@ def test_megatron_sees_through_master_weight_casts_and_splits_heads_of_multi_axi
     module, options = load("llama-maxtext")
     fn, args = module.build(layers=2, **options)
     plan, ranked = search(fn, *args, devices=8, hardware="h100", compile_check=False)
-    assert any(c.tactic == "megatron" and c.mesh["model"] == 4 for c in ranked), [c.tactic for c in ranked]
-    tp = next(c for c in ranked if c.tactic == "megatron" and c.mesh["model"] == 4)
+    assert any(str(c.tactic) == "megatron" and c.mesh["model"] == 4 for c in ranked), [str(c.tactic) for c in ranked]
+    tp = next(c for c in ranked if str(c.tactic) == "megatron" and c.mesh["model"] == 4)
     p = plan_for(tp, fn, args)
     attention = p.in_specs[0]["params"]["decoder"]["layers_1"]["attention"]
     assert attention["query"]["kernel"] == P(None, "model") and attention["key"]["kernel"] == P(None, "model")
@@ -225,7 +225,7 @@ def test_a_merged_heads_kernel_reshaped_to_heads_is_split_on_heads():
 
     state = {"wq": f32(512, 512), "wo": f32(512, 512)}
     _, ranked = search(step, state, f32(16, 128, 512), devices=8, hardware="h100", compile_check=False)
-    tp = next(c for c in ranked if c.tactic == "megatron" and c.mesh["model"] == 4)
+    tp = next(c for c in ranked if str(c.tactic) == "megatron" and c.mesh["model"] == 4)
     p = plan_for(tp, step, (state, f32(16, 128, 512)))
     assert p.in_specs[0]["wq"] == P(None, "model") and p.in_specs[0]["wo"] == P("model"), p.in_specs[0]
 

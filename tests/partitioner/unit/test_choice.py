@@ -2,7 +2,7 @@
 collectives (what a compile shows) put another more than AGREE ahead; plans on fewer devices
 are left to the roofline."""
 
-from partitioner.candidates import Candidate
+from partitioner.candidates import Candidate, Tactic
 from partitioner.guard import AGREE, CLOSE, by_compiled_view, pick
 from partitioner.plan import Cost
 
@@ -10,7 +10,7 @@ from partitioner.plan import Cost
 def candidate(tactic, mesh, total, flops_and_collectives):
     comm = flops_and_collectives / 2
     cost = Cost(total - comm, comm, {}, 0, flop_seconds=flops_and_collectives - comm)
-    return Candidate(tactic, mesh, {}, cost, None)
+    return Candidate(Tactic(tactic), mesh, {}, cost, None)
 
 
 def test_the_view_overrules_the_roofline_only_by_more_than_agree():

@@ -82,7 +82,7 @@ def test_the_remat_estimate_matches_the_rematerialised_program():
         inputs = read_inputs(fn, args, None)
         batch = tactics.batch_shardings(inputs, mesh)
         fsdp = {v: s for v in analysis.state_values(inputs) if (s := tactics.fsdp(inputs.graph.values[v].shape, 8))}
-        c = candidates.priced(inputs, "fsdp", mesh, {**batch, **fsdp}, hw, batch)
+        c = candidates.priced(inputs, candidates.Tactic("fsdp"), mesh, {**batch, **fsdp}, hw, batch)
         sizes = {v: int(c.propagation.device_bytes[v]) for v in inputs.fold.materialized}
         found[remat] = (c.cost.peak_bytes_per_device, *inputs.fold.remat_peak(sizes))
     (plain, estimate, saved), (rematerialised, _, left) = found[False], found[True]

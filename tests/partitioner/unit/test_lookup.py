@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from partitioner import profile
 from partitioner.analysis import read_inputs
-from partitioner.candidates import priced
+from partitioner.candidates import Tactic, priced
 from partitioner.search import search
 from partitioner.tactics import batch_shardings
 
@@ -59,7 +59,7 @@ def test_an_embedding_table_is_split_by_vocabulary_and_that_is_priced_cheaper(fo
     if form == "tied":  # (the tied table's vocabulary split is the logits': split its columns instead)
         whole[table] = ((), ("model",))
     batch = batch_shardings(inputs, best.mesh)
-    kept = priced(inputs, "megatron", best.mesh, whole, profile("h100"), batch)
+    kept = priced(inputs, Tactic("megatron"), best.mesh, whole, profile("h100"), batch)
     assert kept.cost.total_seconds > best.cost.total_seconds
 
 
