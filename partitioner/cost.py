@@ -63,6 +63,34 @@ class Cost:
         return (self.compute_seconds if self.flop_seconds is None else self.flop_seconds) + self.communication_seconds
 
 
+def _collective(c, p: int, n: int, mesh, hardware: Hardware, levels: dict | None, combine: bool):
+    """What collective `c` (over `p` devices, `n` times) costs: (seconds, kind, bytes sent each
+    time, the latency a combined all-reduce pays once per round where it is not the link's own,
+    else None). `combine`: an all-reduce XLA combines with others, its latency left out of the
+    seconds. On slices, a group both inside and across slices is priced level by level (`Split`),
+    its bytes counted per level into `levels`."""
+    link = hardware.link(_span(c.axes, mesh))
+    if levels is not None:
+        split = Split.of(c.axes, mesh, hardware)
+        for level, nbytes in split.bytes(c.kind, c.bytes).items():
+            levels[level] = levels.get(level, 0) + int(nbytes) * n
+        if split.inside > 1 and split.across > 1:
+            kind = c.kind if c.kind in ("all-reduce", "reduce-scatter") else "all-gather"
+            bandwidth, latency = split.seconds(kind, c.bytes, hardware)
+            nbytes = sum(split.bytes(c.kind, c.bytes).values())
+            if combine:
+                return n * bandwidth, kind, nbytes, latency
+            return n * (bandwidth + latency), kind, nbytes, None
+    if c.kind == "all-reduce":
+        nbytes = 2 * (p - 1) / p * c.bytes
+        if combine:
+            return n * nbytes / link.bandwidth, "all-reduce", nbytes, None
+        return n * (nbytes / link.bandwidth + latency_steps("all-reduce", p) * link.latency), "all-reduce", nbytes, None
+    kind = "reduce-scatter" if c.kind == "reduce-scatter" else "all-gather"  # a reshard gathers
+    nbytes = (p - 1) * c.bytes  # a reduce-scatter sends as much (each shard to its owner)
+    return n * (nbytes / link.bandwidth + latency_steps(kind, p) * link.latency), kind, nbytes, None
+
+
 def estimate(
     prop: Propagation, hardware: Hardware, fold: Fold | None = None, *, beyond: float = math.inf
 ) -> Cost | None:
@@ -96,44 +124,15 @@ def estimate(
         if p == 1 or not mult[c.op]:
             continue
         n = mult[c.op]
-        link = hardware.link(_span(c.axes, mesh))
-        if levels is not None:
-            split = Split.of(c.axes, mesh, hardware)
-            for level, nbytes in split.bytes(c.kind, c.bytes).items():
-                levels[level] = levels.get(level, 0) + int(nbytes) * n
-            if split.inside > 1 and split.across > 1:  # both inside and across slices: level by level
-                kind = (
-                    "all-reduce"
-                    if c.kind == "all-reduce"
-                    else "reduce-scatter"
-                    if c.kind == "reduce-scatter"
-                    else "all-gather"
-                )
-                bandwidth, latency = split.seconds(kind, c.bytes, hardware)
-                nbytes = sum(split.bytes(c.kind, c.bytes).values())
-                sent[kind] = sent.get(kind, 0) + int(nbytes) * n
-                if kind == "all-reduce" and c.value in off_path:  # combined, as below
-                    combined[c.axes] = combined.get(c.axes, 0) + int(nbytes) * n
-                    once[c.axes] = latency
-                    held.add(c.value)
-                    comm += n * bandwidth
-                    continue
-                comm += n * (bandwidth + latency)
-                continue
-        if c.kind == "all-reduce":
-            nbytes = 2 * (p - 1) / p * c.bytes
-            sent["all-reduce"] += int(nbytes) * n
-            if c.value in off_path:  # e.g. weight gradients: XLA combines them, latency is paid once
-                combined[c.axes] = combined.get(c.axes, 0) + int(nbytes) * n
-                held.add(c.value)
-                comm += n * nbytes / link.bandwidth
-                continue
-            comm += n * (nbytes / link.bandwidth + latency_steps("all-reduce", p) * link.latency)
-        else:  # a reshard gathers; a reduce-scatter sends as much (each shard to its owner)
-            kind = "reduce-scatter" if c.kind == "reduce-scatter" else "all-gather"
-            nbytes = (p - 1) * c.bytes
-            comm += n * (nbytes / link.bandwidth + latency_steps(kind, p) * link.latency)
-            sent[kind] = sent.get(kind, 0) + int(nbytes) * n
+        combine = c.kind == "all-reduce" and c.value in off_path  # e.g. weight gradients: XLA combines them
+        seconds, kind, nbytes, latency = _collective(c, p, n, mesh, hardware, levels, combine)
+        sent[kind] = sent.get(kind, 0) + int(nbytes) * n
+        if combine:  # its latency paid once per round, below
+            combined[c.axes] = combined.get(c.axes, 0) + int(nbytes) * n
+            if latency is not None:
+                once[c.axes] = latency
+            held.add(c.value)
+        comm += seconds
     for axes, nbytes in combined.items():
         p = math.prod(mesh[a] for a in axes)
         rounds = max(1, math.ceil(nbytes / COMBINE_BYTES))

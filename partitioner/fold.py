@@ -124,11 +124,7 @@ def fold(
     is_input = set(graph.inputs)
     replayed = np.zeros(len(graph.ops), dtype=np.int64)  # per template op: copies replayed from it
     paths = _key_paths(keys, input_ids)
-    for group in layers:
-        for v in group[1:]:
-            a, b = _find(parent, v), _find(parent, group[0])
-            if a != b:
-                parent[a] = b
+    _tie_layers(parent, layers)
     for c in graph.copies:  # each copy reads its `free_ids` where the template reads `free`
         replayed[c.template] = len(c.shifts)
         _pair(
@@ -180,6 +176,15 @@ def fold(
         seen[key] = op
         kept.append(op)
     return _build(graph, parent, op_parent, kept, pairs, replayed)
+
+
+def _tie_layers(parent, layers: Sequence[Sequence[int]]) -> None:
+    """Each group's values one value: a stack's leaf in each of its layers is one weight."""
+    for group in layers:
+        for v in group[1:]:
+            a, b = _find(parent, v), _find(parent, group[0])
+            if a != b:
+                parent[a] = b
 
 
 def _repeats(graph: Graph, layers: Sequence[Sequence[int]]) -> list:

@@ -33,19 +33,11 @@ from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 
-from .ir import FactorKind, Graph, Op
+from .communication import Communication, Products, communication, constants, exchanges, landing, minor_factors, moved
+from .ir import Graph, Op
 from .rules import ELEMENTWISE
 
 Sharding = tuple[tuple[str, ...], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Communication:
-    op: int
-    kind: str  # "all-reduce" or "reduce-scatter" (partial sums over REDUCE factors), or "reshard"
-    value: int
-    axes: tuple[str, ...]
-    bytes: int  # of the value per device, before the collective
 
 
 @dataclasses.dataclass
@@ -60,7 +52,7 @@ class Propagation:
 
     @functools.cached_property
     def communication(self) -> list[Communication]:
-        """What the assignment implies (`_communication`): found when first asked, as only a
+        """What the assignment implies (`communication`): found when first asked, as only a
         priced candidate needs it, not a tactic reading where an axis went."""
         return list(self.exchanged())
 
@@ -69,13 +61,15 @@ class Propagation:
         out of reach (`cost.estimate`'s `beyond`) finds no more of it than it reads."""
         if "communication" in self.__dict__:
             return iter(self.communication)
-        return _communication(self.graph, self.shardings, self.factor_axes, self.device_bytes, _Products(self.mesh))
+        static = _static(self.graph)
+        return communication(self.graph, static.exchanges, static.moved_instead, self.shardings, self.factor_axes,
+                             self.device_bytes, Products(self.mesh))  # fmt: skip
 
     @functools.cached_property
     def device_bytes(self) -> np.ndarray:
         """Per value of the graph, its bytes on one device (int64)."""
         parts = np.ones(len(self.graph.values), dtype=np.int64)
-        sizes, split = _Products(self.mesh), {}
+        sizes, split = Products(self.mesh), {}
         for v, sharding in self.shardings.items():
             n = split.get(sharding)
             if n is None:
@@ -251,7 +245,7 @@ def _stage(graph: Graph, state, stage, first: bool, mesh, max_sweeps: int, touch
     shardings.update(stage)
     fixed |= set(stage)
     new = {o for v in starts for o in touching.get(v, ())}
-    sizes = _Products(mesh)
+    sizes = Products(mesh)
     held: set[int] = set()  # broadcasts that did not read a smaller sharded value in the strict pass
     dirty: set[int] = set()
     work = (shardings, fixed, factor_axes, claims, sizes, takeovers, held)
@@ -292,18 +286,6 @@ def _sweep(graph: Graph, info, touching, work, forward: bool, strict: bool, dirt
     return later
 
 
-class _Products(dict):
-    """Mesh axes -> the product of their sizes, computed once per axes."""
-
-    def __init__(self, mesh):
-        super().__init__()
-        self.mesh = mesh
-
-    def __missing__(self, axes):
-        self[axes] = n = math.prod(self.mesh[a] for a in axes)
-        return n
-
-
 def _seeds(graph: Graph, takeovers, annotations) -> dict[int, Sharding]:
     """Results of the ops where a larger operand took an axis over, split along the factor it won."""
     seeds: dict[int, list] = {}
@@ -338,9 +320,9 @@ class _Static:
 
     ops: list[_OpInfo]  # by op id
     touching: dict[int, list[int]]  # value -> the ops that read or make it
-    constants: set[int]  # values computed from literals alone (`_constants`)
-    moved_instead: dict[int, list[int]]  # value -> what resharding it moves (`_communication`)
-    exchanges: list[tuple[frozenset, tuple]]  # per op, what `_communication` reads (`_exchanges`)
+    constants: set[int]  # values computed from literals alone (`constants`)
+    moved_instead: dict[int, list[int]]  # value -> what resharding it moves (`communication`)
+    exchanges: list[tuple[frozenset, tuple]]  # per op, what `communication` reads (`exchanges`)
     nbytes: np.ndarray  # per value, its bytes whole (int64)
     alias: dict[int, int]  # a relabelling's value -> the value its class stands for (`_aliases`)
     relabels: list[int]  # the ops that make them, not stepped
@@ -356,13 +338,13 @@ def _static(graph: Graph) -> _Static:
                 for v in op.operands + op.results:
                     if v >= 0:
                         touching.setdefault(alias.get(v, v), []).append(op.id)
-        constants = _constants(graph)
+        constant = constants(graph)
         graph._propagation = _Static(
             [None if op.id in skipped else _info(graph, op, alias) for op in graph.ops],
             touching,
-            constants,
-            _moved(graph, constants),
-            _exchanges(graph, constants),
+            constant,
+            moved(graph, constant),
+            exchanges(graph, constant),
             np.array([v.nbytes for v in graph.values], dtype=np.int64),
             alias,
             relabels,
@@ -414,7 +396,7 @@ def _info(graph: Graph, op: Op, alias: Mapping[int, int]) -> _OpInfo:
             if factors:
                 minor = minors.get(factors)
                 if minor is None:
-                    minor = minors[factors] = _minor(sizes, factors)
+                    minor = minors[factors] = minor_factors(sizes, factors)
                 slots.append((d, factors[0], minor))
         reads.append((v, nbytes, tuple((d, f, sizes[f], minor) for d, f, minor in slots)))
         matched = len(dims) == len(shape) and slots
@@ -438,34 +420,11 @@ def _info(graph: Graph, op: Op, alias: Mapping[int, int]) -> _OpInfo:
     )
 
 
-def _minor(sizes: list[int], factors: tuple[int, ...]) -> tuple:
-    """A dimension's factors after its major one, each (factor, size, product of those before it)."""
-    out, before = [], sizes[factors[0]]
-    for f in factors[1:]:
-        out.append((f, sizes[f], before))
-        before *= sizes[f]
-    return tuple(out)
-
-
-def _landing(minor: tuple, t: int) -> int | None:
-    """The minor factor that a split of its dimension into `t` contiguous blocks lands on, where
-    the major one is too small to hold it: the first whose size `t` divides, where the factors
-    before it split whole (their product divides `t`). Eight query heads read as two K/V groups
-    of four, split four ways, are 2 x 2 blocks; the groups' factor stands for the split, with the
-    same bytes and work per device (named axes cannot be halved). None where it cuts across."""
-    for f, n, before in minor:
-        if t % before:
-            return None
-        if n % t == 0:
-            return f
-    return None
-
-
 def _landed(minor: tuple, assigned: Mapping[int, tuple], sizes) -> tuple | None:
     """The axes of the first minor factor given some, where its dimension's split lands on it
-    (`_landing`)."""
+    (`landing`)."""
     f, axes = next(((f, assigned[f]) for f, _, _ in minor if f in assigned), (None, None))
-    return axes if f is not None and _landing(minor, sizes[axes]) == f else None
+    return axes if f is not None and landing(minor, sizes[axes]) == f else None
 
 
 def _step(
@@ -475,7 +434,7 @@ def _step(
     fixed,
     assigned: dict,
     claims: dict,
-    sizes: _Products,
+    sizes: Products,
     forward: bool,
     strict: bool,
     takeovers: list,
@@ -498,7 +457,7 @@ def _step(
             if not axes:
                 continue
             if size % sizes[axes]:  # the major factor cannot hold the split: a minor one may
-                factor = _landing(minor, sizes[axes])
+                factor = landing(minor, sizes[axes])
                 if factor is None:
                     continue
             if factor not in assigned:
@@ -549,89 +508,3 @@ def _step(
 
 
 _BROADCASTING = ELEMENTWISE | {"broadcast_in_dim"}
-
-
-def _communication(graph: Graph, shardings, factor_axes, size: np.ndarray, sizes: _Products) -> Iterator[Communication]:
-    static = _static(graph)
-    scattered = static.moved_instead
-    for op_id, (reduces, reads) in enumerate(static.exchanges):
-        assigned = factor_axes[op_id]
-        if assigned and reduces:
-            for f, axes in assigned.items():
-                if f in reduces:
-                    for value in graph.ops[op_id].results:
-                        # A result split over the reduced axes needs only its own part of the sums.
-                        split = {a for dim in shardings.get(value, ()) for a in dim}
-                        kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                        yield Communication(op_id, kind, value, axes, int(size[value]))
-        for value, factors in reads:
-            given = shardings.get(value)
-            if given is None:
-                continue
-            for axes, slot in zip(given, factors):
-                if not axes:
-                    continue
-                # The axes the op's factors give this dimension split so many ways: its major
-                # factor's, or the minor factor's that such a split lands on (`_landing`).
-                if slot is None:
-                    held = ()
-                else:
-                    factor, n, minor = slot
-                    if minor and n % sizes[axes]:
-                        factor = _landing(minor, sizes[axes])
-                    held = assigned.get(factor, ()) if factor is not None else ()
-                if axes != held:
-                    for moved in scattered.get(value, (value,)):
-                        yield Communication(op_id, "reshard", moved, axes, int(size[moved]))
-                    break
-
-
-def _exchanges(graph: Graph, constant: set[int]) -> list[tuple[frozenset, tuple]]:
-    """Per op, what `_communication` reads of it: its REDUCE factors, and each operand that can
-    need moving (not a literal, not computed from literals alone: made in any layout, for free)
-    with, per dimension, the factors it carries ((major, its size, `_minor`); None: none)."""
-    out = []
-    for op in graph.ops:
-        # A gather from a table split along the indexed dim looks up the rows each device holds
-        # and sums the parts (XLA's masked local gather, then an all-reduce): as a reduction.
-        summed = (FactorKind.REDUCE, FactorKind.GATHER) if op.primitive == "gather" else (FactorKind.REDUCE,)
-        reduces = frozenset(f for f, factor in enumerate(op.factors) if factor.kind in summed)
-        sizes = [f.size for f in op.factors]
-        reads = tuple(
-            (v, tuple((fs[0], sizes[fs[0]], _minor(sizes, fs)) if fs else None for fs in dims))
-            for v, dims in zip(op.operands, op.operand_dims)
-            if v >= 0 and v not in constant
-        )
-        out.append((reduces, reads))
-    return out
-
-
-def _constants(graph: Graph) -> set[int]:
-    """Values computed from literals alone (a broadcast zero, an iota): XLA makes them in
-    whatever sharding their reader wants."""
-    out: set[int] = set()
-    for op in graph.ops:
-        if op.body is None and all(v < 0 or v in out for v in op.operands):
-            out.update(op.results)
-    return out
-
-
-def _moved(graph: Graph, constant: set[int]) -> dict[int, list[int]]:
-    """Values whose resharding moves other values instead."""
-    # A scatter-add into a constant buffer (an embedding's or a label lookup's gradient) is
-    # made in whatever layout its reader wants by moving its small indices and updates instead.
-    moved = {
-        op.results[0]: [v for v in op.operands if v >= 0 and v not in constant]
-        for op in graph.ops
-        if op.primitive == "scatter-add" and op.operands[0] in constant
-    }
-    # A broadcast (a norm's scale against the activations) is made in whatever layout its reader
-    # wants from its operand: moving the operand, not the broadcast value, is what that costs.
-    moved.update(
-        {
-            op.results[0]: [op.operands[0]]
-            for op in graph.ops
-            if op.primitive == "broadcast_in_dim" and op.operands[0] >= 0 and op.operands[0] not in constant
-        }
-    )
-    return moved
