@@ -22,10 +22,11 @@ from collections.abc import Callable, Sequence
 from ..hosts.group import HostGroup, HostGroupConfig, HostsLostError, HostsUnavailableError, SegmentFailedError
 from ..hosts.interface import Cluster
 from ..job.jobfile import JobSpec
-from ..protocol import Compile, CompileAhead, Event, EventKind, Report, Restore, SegmentSpec, Step
+from ..protocol import Compile, CompileAhead, Event, EventKind, Report, Restore, Step
 from . import policies
 from .callbacks import Callbacks, ControllerCallback
 from .planning import PlanCache
+from .specs import GroupSpecs, slice_ids
 from .state import (
     Failed,
     Finished,
@@ -229,14 +230,12 @@ class JobController:
             return Planning(None, state.recovery, state.stalled)
         spawn = self.clock() - t
         plan_json = state.plan.to_json()
-        hooks = self.callbacks.test_hooks(self.view, state.hosts)
-        slice_ids = self._slice_ids(self.group.node_ids)
-        spec_for = lambda i, coordinator: dataclasses.replace(  # noqa: E731
-            self._spec(i, coordinator, state.hosts, plan_json, hooks.get(i)),
-            slices=len(set(slice_ids)), slice_id=slice_ids[i],
-        )  # fmt: skip
+        specs = GroupSpecs(self.job, plan_json, len(self.segments), state.hosts,
+                           slice_ids(self.cluster.slice_of(), self.group.node_ids), self.plans.fingerprint,
+                           self.config.compilation_cache, self.model_flops,
+                           self.callbacks.test_hooks(self.view, state.hosts))  # fmt: skip
         try:
-            self.group.start(spec_for, self._snapshot_plans(), self.plans.executables(plan_json))
+            self.group.start(specs.for_process, self._snapshot_plans(), self.plans.executables(plan_json))
         except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss
             return self._on_hosts_lost(e, state.target, state.recovery)
         segment = Segment(len(self.segments), dict(state.plan.mesh), state.hosts, state.plan.devices_used,
@@ -257,34 +256,6 @@ class JobController:
         if self.segments:  # a new run's keepers hold nothing
             restore = self.snapshots.newest(set(self.cluster.live_hosts()), after=self.committed())
         return self.snapshots.plans(self.group.node_ids, len(self.segments), restore, self.cluster.slice_of())
-
-    def _slice_ids(self, node_ids: list[str]) -> list[int]:
-        """Each process's slice among the group's, numbered in process order (slice-major)."""
-        said = self.cluster.slice_of()
-        names = list(dict.fromkeys(said.get(node, "") for node in node_ids))
-        return [names.index(said.get(node, "")) for node in node_ids]
-
-    def _spec(self, process_id: int, coordinator: str, hosts: int, plan_json: str, hook) -> SegmentSpec:
-        job = self.job
-        return SegmentSpec(
-            program=job.program,
-            steps=job.steps,
-            global_batch=job.global_batch,
-            seed=job.seed,
-            checkpoint=job.checkpoint,
-            plan_json=plan_json,
-            coordinator=coordinator,
-            num_processes=hosts,
-            process_id=process_id,
-            segment=len(self.segments),
-            compilation_cache=self.config.compilation_cache,
-            fingerprint=self.plans.fingerprint,
-            hardware=job.hardware,
-            job=job.name,
-            model_flops=self.model_flops,
-            options=dict(job.options),
-            test_hook=hook,
-        )
 
     # -- Running -----------------------------------------------------------------------------
     def _running(self, state: Running) -> State:
