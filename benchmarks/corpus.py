@@ -34,7 +34,7 @@ specs and mesh, its predicted time and the propagations it took; run in two chec
 compared, it shows a change that should not move plans does not.
 `ab`: `plantime`'s plan on 8 devices in this checkout and in the one at BASE (`git worktree add`),
 alternating in three rounds, each run in a fresh process.
-`helper`: `depth`'s 96-layer search with the pricing helper (`partitioner/pricing.py`) off and
+`helper`: `depth`'s 96-layer search with the pricing helper (`partitioner/helper.py`) off and
 on, alternating in this process, four rounds, the first of each left out; total and search seconds.
 `traces`: the step cut to 4, 3, 2 and 1 layers of each stack and captured (`depth._Traced.trace`:
 JAX's tracing and the graph built from it), in that order, a fresh build of the step each round,
@@ -280,7 +280,7 @@ def _deep_planned(root: str, name: str) -> tuple[list[float], str]:
 
 
 def helper(names) -> None:
-    from partitioner import pricing
+    from partitioner import helper as pricing_helper
     from partitioner.search import search
     from tests.corpus import load
 
@@ -292,8 +292,8 @@ def helper(names) -> None:
         for _ in range(4):
             for way in runs:
                 if way == "on":
-                    pricing.start_helper()
-                    pricing._helper().wait_ready(30.0)
+                    pricing_helper.start_helper()
+                    pricing_helper._helper().wait_ready(30.0)
                 fn, args = module.build(layers=96, **options)
                 t = time.perf_counter()
                 p, _ = search(fn, *args, devices=1024, hardware="h100", compile_check=False, pricing_helper=way == "on")
@@ -355,19 +355,19 @@ def _loop() -> float:
 def digests(devices: int, layers: int, names) -> None:
     import hashlib
 
-    from partitioner import pricing
+    from partitioner import helper as pricing_helper
     from partitioner.search import search
     from tests.corpus import CORPUS, load
 
     # Every candidate priced in this process (pricing_helper=False), so that each propagation is
-    # counted here (the helper's prices are the same: tests/partitioner/unit/test_pricing.py).
-    count, propagate = [0], pricing.propagate
+    # counted here (the helper's prices are the same: tests/partitioner/unit/test_helper.py).
+    count, propagate = [0], pricing_helper.propagate
 
     def counted(*args, **kwargs):
         count[0] += 1
         return propagate(*args, **kwargs)
 
-    pricing.propagate = counted
+    pricing_helper.propagate = counted
     print("| model | plan | digest | predicted (ms) | propagations |")
     print("|---|---|---|---|---|")
     for name in names or CORPUS:

@@ -37,20 +37,20 @@ def old_module(rev: str):
 
 
 def main(rev: str, names) -> None:
-    import partitioner.pricing as pricing
+    import partitioner.helper as pricing_helper
     import partitioner.propagate as new
     from partitioner.search import search
     from tests.corpus import load
 
     old = old_module(rev)
     calls = []
-    recorded = pricing.propagate
+    recorded = pricing_helper.propagate
 
     def recording(graph, annotations, mesh, first=()):
         calls.append((graph, annotations, mesh, first))
         return recorded(graph, annotations, mesh, first=first)
 
-    pricing.propagate = recording
+    pricing_helper.propagate = recording
     for name in names or ("llama-maxtext", "t5"):
         calls.clear()
         module, options = load(name)

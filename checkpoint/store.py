@@ -72,9 +72,9 @@ class Store:
             raise ValueError(f"a checkpoint step is a non-negative integer, got {step!r}")
         self._writer.wait()
         os.makedirs(self.path, exist_ok=True)
-        leaves = writer.snapshot(state, self.config.chunk_bytes)
+        leaves = writer.copy_to_host(state, self.config.chunk_bytes)
         plan_doc = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan) if plan is not None else None
-        job = writer.Job(
+        job = writer.SaveJob(
             self.path,
             int(step),
             leaves,

@@ -28,7 +28,7 @@ from .errors import CheckpointFormatError
 
 
 @dataclasses.dataclass
-class LeafSnapshot:
+class HostCopy:
     path: str
     layout: layout.Layout
     sharding: dict | None
@@ -36,7 +36,7 @@ class LeafSnapshot:
     prng_impl: str | None = None
 
 
-def snapshot(state: Any, chunk_bytes: int) -> list[LeafSnapshot]:
+def copy_to_host(state: Any, chunk_bytes: int) -> list[HostCopy]:
     """Copy this process's replica-0 shards to host memory. Copies are started for every leaf
     before any is awaited, so on accelerators they overlap."""
     started = []
@@ -57,7 +57,7 @@ def snapshot(state: Any, chunk_bytes: int) -> list[LeafSnapshot]:
             pieces = [(tuple(slice(0, d) for d in leaf.shape), leaf)] if jax.process_index() == 0 else []
         sharded = tuple(i for i, (d, s) in enumerate(zip(leaf.shape, shard_shape)) if s < d)
         lay = layout.choose_layout(tuple(leaf.shape), leaf.dtype, tuple(shard_shape), chunk_bytes, sharded)
-        started.append(LeafSnapshot(path, lay, sharding, pieces, impl))
+        started.append(HostCopy(path, lay, sharding, pieces, impl))
     for snap in started:
         snap.pieces = [(_full(box, snap.layout.shape), np.array(data, copy=True)) for box, data in snap.pieces]
     return started
@@ -104,10 +104,10 @@ def _describe(sharding) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class SaveJob:
     root: str
     step: int
-    leaves: list[LeafSnapshot]
+    leaves: list[HostCopy]
     plan: dict | None
     meta: dict
     codec: layout.Codec
@@ -126,7 +126,7 @@ class Writer:
         self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True})
         self.last_seconds: float | None = None
 
-    def start(self, job: Job, background: bool) -> None:
+    def start(self, job: SaveJob, background: bool) -> None:
         self.wait()
         if background:
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"remesh-save-{job.step}", daemon=True)
@@ -148,7 +148,7 @@ class Writer:
             error, self._error = self._error, None
             raise error
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: SaveJob) -> None:
         t = time.perf_counter()
         try:
             partial = os.path.join(job.root, f"{job.step}{layout.PARTIAL}-{job.nonce}-{job.sequence}")
@@ -175,7 +175,7 @@ class Writer:
         except BaseException as e:
             self._error = e
 
-    def _write_arrays(self, job: Job, partial: str) -> None:
+    def _write_arrays(self, job: SaveJob, partial: str) -> None:
         os.makedirs(os.path.join(partial, layout.ARRAYS), exist_ok=True)
         pending = []
         for n, leaf in enumerate(job.leaves):
@@ -200,7 +200,7 @@ def _array_name(n: int) -> str:
     return f"{n:05d}"
 
 
-def _kv_key(job: Job, process: int) -> str:
+def _kv_key(job: SaveJob, process: int) -> str:
     root = hashlib.sha1(job.root.encode()).hexdigest()[:12]
     return f"remesh/ckpt/{root}/{job.nonce}/{job.sequence}/{process}"
 
@@ -211,12 +211,12 @@ def _client():
     return distributed.global_state.client
 
 
-def _signal(job: Job, status: str) -> None:
+def _signal(job: SaveJob, status: str) -> None:
     if jax.process_count() > 1:
         _client().key_value_set(_kv_key(job, jax.process_index()), status)
 
 
-def _await_peers(job: Job, timeout_ms: int) -> None:
+def _await_peers(job: SaveJob, timeout_ms: int) -> None:
     for p in range(1, jax.process_count()):
         status = _client().blocking_key_value_get(_kv_key(job, p), timeout_ms)
         if status != "ok":
@@ -225,7 +225,7 @@ def _await_peers(job: Job, timeout_ms: int) -> None:
             )
 
 
-def _discard(job: Job, partial: str, timeout_ms: int) -> None:
+def _discard(job: SaveJob, partial: str, timeout_ms: int) -> None:
     """A save that failed on some process (a full disk, say) is never committed; once every process
     has said it is done writing, its partial directory goes, freeing what it took."""
     for p in range(1, jax.process_count()):
@@ -236,7 +236,7 @@ def _discard(job: Job, partial: str, timeout_ms: int) -> None:
     shutil.rmtree(partial, ignore_errors=True)
 
 
-def _commit(job: Job, partial: str) -> None:
+def _commit(job: SaveJob, partial: str) -> None:
     files = {rel: {"size": size} for rel, size in layout.list_files(partial).items()}
     for rel, entry in files.items():
         if rel.endswith("zarr.json"):

@@ -87,7 +87,7 @@ def job_planner(job: JobSpec, step, state, batch, layout=None):
     `layout`: the slices its groups run on (default: the job file's)."""
     import partitioner
 
-    layout = layout or job.slices()
+    layout = layout or job.slice_layout()
     steps = partitioner.StepPlanner(step, state, batch)  # traced once, for every device count
 
     def planner(devices: int):
@@ -137,13 +137,13 @@ def _cluster(job: JobSpec, stack, finished: bool, address: str | None, hosts: in
         return _embedded(job, stack, hosts, printer)
     printer = printer or (lambda line: print(line, flush=True))
     if finished:  # the controller ends it before asking for hosts
-        return _Where(_NoHosts(), printer, job.slices())
+        return _Where(_NoHosts(), printer, job.slice_layout())
     from .hosts.cluster import RayCluster
     from .protocol.fleet import Registration
 
     RayCluster(address)  # connected: the hosts say their slices
     said = host_slices()
-    layout = cluster_layout(job.slices(), said, explicit=job.hosts.hosts_per_slice > 0)
+    layout = cluster_layout(job.slice_layout(), said, explicit=job.hosts.hosts_per_slice > 0)
     whole = layout.hosts_per_slice if said and layout.fails_by == "slice" else 0
     low, high = job.hosts.min, min(job.hosts.max, hosts or job.hosts.max)
     registration = Registration(run_id, job.name, job.priority, job.queue, low, high, job.checkpoint.dir, whole)
@@ -166,7 +166,7 @@ def _embedded(job: JobSpec, stack, hosts: int | None, printer) -> _Where:
         log = os.path.join(os.path.dirname(job.checkpoint.dir), "logs", f"{job.name}.ray.log")
         printer = stack.enter_context(Console(log)).print
         printer(f"ray   Ray's own output goes to {os.path.relpath(log)}")
-    n, layout = hosts or job.hosts.max, job.slices()
+    n, layout = hosts or job.hosts.max, job.slice_layout()
     per = layout.hosts_per_slice
     printer(f"start embedded Ray cluster: {n} hosts x {job.hosts.devices_per_host} fake CPU devices"
             + (f", {layout.slices(n)} slices of {per}" if per else ""))  # fmt: skip

@@ -12,7 +12,7 @@ at once.
 
 Modules, in the order a plan is made: `capture` (a jaxpr into the IR of `ir`, factors from
 `rules`), `replay` and `repeats` (repeated layers), `fold` (one copy of each), `propagate`,
-`cost` and `memory` (pricing; `pricing` prices candidates two at a time, one of them in a
+`cost` and `memory` (pricing; `helper` prices candidates two at a time, one of them in a
 helper process on a second core), `analysis` (the step's leaves and weights), `meshes`,
 `tactics`, `candidates` (a tactic's plan priced), `refine` and `exact` (better candidates),
 `search`, `plan`, `verify`.

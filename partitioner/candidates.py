@@ -1,7 +1,7 @@
 """A candidate plan and how it is priced: a tactic's annotations on a mesh (`TacticPlan`), with
 the optimizer state mirrored from its parameters, propagated with the batch first and priced by
 the cost model (`Candidate`); several at a time, two by two with the pricing helper
-(`pricing.Pricer`), in order, a reader free to stop at any one.
+(`helper.Pricer`), in order, a reader free to stop at any one.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import NamedTuple
 from .analysis import Inputs, mirror_optimizer_state
 from .cost import Cost
 from .hardware import Hardware
+from .helper import Pricer, PricingTask
 from .plan import mesh_text
-from .pricing import Job, Pricer
 from .propagate import Propagation, Sharding, propagate
 
 
@@ -53,7 +53,7 @@ class Candidate:
     mesh: Mapping[str, int]
     annotations: Mapping[int, Sharding]
     cost: Cost
-    # Its propagation, or how to find it again where the pricing helper priced it (`pricing`).
+    # Its propagation, or how to find it again where the pricing helper priced it (`helper`).
     spread: Propagation | Callable[[], Propagation] = dataclasses.field(repr=False, compare=False)
 
     @functools.cached_property
@@ -96,7 +96,7 @@ def priced(
 def priced_each(
     inputs: Inputs, plans: Sequence[TacticPlan], hw: Hardware, beyond: float = math.inf
 ) -> list[Candidate | None]:
-    """`priced` for each of `plans`, two at a time (`pricing`)."""
+    """`priced` for each of `plans`, two at a time (`helper`)."""
     return list(_each(inputs, plans, hw, beyond, whole=True))
 
 
@@ -123,10 +123,10 @@ class _Jobs(Sequence):
     def __len__(self) -> int:
         return len(self.plans)
 
-    def __getitem__(self, i: int) -> Job:
+    def __getitem__(self, i: int) -> PricingTask:
         if i not in self._made:
             plan = self.plans[i]
-            self._made[i] = Job(
+            self._made[i] = PricingTask(
                 dict(plan.mesh), mirror_optimizer_state(self.inputs, plan.annotations), tuple(plan.batch), self.beyond
             )
         return self._made[i]

@@ -19,7 +19,7 @@ shift, their outside reads as pairs, their ops as multiplicity of the template's
 
 `Deepened` is the fold of a deep step made from the folds of two shallow traces (`depth`), priced
 through the same interface; it lives here, beside `Fold`, so that what prices a fold imports no JAX
-(`pricing`'s helper process).
+(`helper`'s process).
 """
 
 from __future__ import annotations

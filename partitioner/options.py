@@ -30,7 +30,7 @@ class PlanOptions:
     # profile's slower link, slice-major (`meshes.sliced_meshes`).
     slices: int = 1
     tactics: Collection[str] | None = None  # only these (`tactics.TACTICS`); None: every one
-    # Price every other candidate in a helper process on a second core (`pricing`): the same
+    # Price every other candidate in a helper process on a second core (`helper`): the same
     # prices, in the same order; off, every candidate is priced in this process.
     pricing_helper: bool = True
     # How the step is read (a `StepPlanner` reads it once, with its own): the arguments that hold

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from . import exact, pricing
+from . import exact, helper
 from .analysis import Inputs, read_inputs
 from .arguments import device_count
 from .candidates import Candidate, priced_each
@@ -37,10 +37,10 @@ from .errors import PlanInputError, PlanMemoryError
 from .explain import remat_hint, to_plan
 from .guard import fit_by_compiler, guarded
 from .hardware import Hardware, profile
+from .helper import Pricer
 from .meshes import mesh_shapes
 from .options import PlanOptions
 from .plan import Plan
-from .pricing import Pricer
 from .refine import refined
 from .tactics import TACTICS, tactic_plans
 
@@ -72,7 +72,7 @@ def search(
         >>> print("\\n".join(c.line() for c in ranked[:3]))
     """
     options = PlanOptions.of(options, fields).checked(devices, TACTICS)
-    with pricing.helping(options.pricing_helper):
+    with helper.helping(options.pricing_helper):
         return _without_gc(functools.partial(_search, fn, args, devices, options, inputs, reused))
 
 
@@ -118,7 +118,7 @@ class StepPlanner:
         with self._lock:
             first = self._inputs is None
             if first:
-                pricing.start_helper(enabled=options.pricing_helper)
+                helper.start_helper(enabled=options.pricing_helper)
                 self._inputs = _without_gc(self._read)
         return search(self.fn, *self.args, devices=n, options=options, inputs=self._inputs, reused=not first)[0]
 
@@ -126,7 +126,7 @@ class StepPlanner:
 def _search(fn, args, devices: int, options: PlanOptions, inputs: Inputs | None, reused: bool):
     """`search`, with the collector paused and the options checked."""
     t0 = time.perf_counter()
-    pricing.start_helper(enabled=options.pricing_helper)  # its imports overlap the tracing
+    helper.start_helper(enabled=options.pricing_helper)  # its imports overlap the tracing
     level, tactics, compile_check = options.level, options.tactics, options.compile_check
     hw = profile(options.hardware).sliced(devices, options.slices)
     limit = int(options.memory_limit or hw.memory_bytes)

@@ -235,7 +235,7 @@ class JobController:
                            self.config.compilation_cache, self.model_flops,
                            self.callbacks.test_hooks(self.view, state.hosts))  # fmt: skip
         try:
-            self.group.start(specs.for_process, self._snapshot_plans(), self.plans.executables(plan_json))
+            self.group.start(specs.for_process, self._snapshot_placements(), self.plans.executables(plan_json))
         except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss
             return self._on_hosts_lost(e, state.target, state.recovery)
         segment = Segment(len(self.segments), dict(state.plan.mesh), state.hosts, state.plan.devices_used,
@@ -247,15 +247,15 @@ class JobController:
     def _host_env(self) -> dict:
         return {**self.cluster.host_env(), **self.config.env_vars}
 
-    def _snapshot_plans(self) -> list | None:
+    def _snapshot_placements(self) -> list | None:
         """Where each host keeps its snapshots, and the newest complete one to restore (at or after
         the newest commit: a snapshot older than that would lose steps the disk holds)."""
-        if self.snapshots is None or self.job.checkpoint.memory_budget <= 0:
+        if self.snapshots is None or self.job.checkpoint.snapshot_time_share <= 0:
             return None
         restore = None
         if self.segments:  # a new run's keepers hold nothing
             restore = self.snapshots.newest(set(self.cluster.live_hosts()), after=self.committed())
-        return self.snapshots.plans(self.group.node_ids, len(self.segments), restore, self.cluster.slice_of())
+        return self.snapshots.placements(self.group.node_ids, len(self.segments), restore, self.cluster.slice_of())
 
     # -- Running -----------------------------------------------------------------------------
     def _running(self, state: Running) -> State:

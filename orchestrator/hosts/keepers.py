@@ -68,7 +68,7 @@ class Keeper:
 
 
 @dataclasses.dataclass(frozen=True)
-class Restore:
+class SnapshotSource:
     """A complete snapshot to restore: its step, the segment that took it, and for each process of
     that segment a keeper that holds its share."""
 
@@ -85,7 +85,7 @@ class HostSnapshots:
     segment: int
     process: int
     processes: int
-    restore: Restore | None = None
+    restore: SnapshotSource | None = None
 
     def open(self) -> PeerSnapshots:
         return PeerSnapshots(self)
@@ -184,8 +184,8 @@ class Keepers:
                 ).remote()
         return [self._keepers[n] for n in node_ids]
 
-    def plans(
-        self, node_ids: list[str], segment: int, restore: Restore | None, slice_of: dict[str, str] | None = None
+    def placements(
+        self, node_ids: list[str], segment: int, restore: SnapshotSource | None, slice_of: dict[str, str] | None = None
     ) -> list[HostSnapshots]:
         """Each process keeps its share on its own host and on the next one; in slices, on the
         next one in another slice, so that a slice lost whole loses no share (`slice_of`: node
@@ -199,7 +199,7 @@ class Keepers:
             for i in range(n)
         ]
 
-    def newest(self, alive: set[str], after: int) -> Restore | None:
+    def newest(self, alive: set[str], after: int) -> SnapshotSource | None:
         """The newest snapshot, at step `after` or later, whose every share a live keeper holds."""
         for node in [n for n in self._keepers if n not in alive]:
             del self._keepers[node]
@@ -222,7 +222,7 @@ class Keepers:
         if not complete:
             return None
         step, segment = max(complete)
-        return Restore(step, segment, sources[(segment, step)])
+        return SnapshotSource(step, segment, sources[(segment, step)])
 
     def shutdown(self) -> None:
         for k in self._keepers.values():

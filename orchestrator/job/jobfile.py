@@ -19,7 +19,7 @@
     every = 10
     keep = 3                       # optional: the newest committed checkpoints kept
     keep_every = 1000              # optional: also keep every step divisible by this, forever
-    memory_budget = 0.05           # optional: share of step time for peer snapshots in host memory; 0: none
+    snapshot_time_share = 0.05     # optional: share of step time for peer snapshots in host memory; 0: none
     snapshot_every = 0             # optional: a peer snapshot every so many steps, whatever it costs; 0: by budget
     [options]                      # optional, free: handed to a program factory (`JobSettings.options`)
     train_tokens = ["data/train.bin"]
@@ -58,9 +58,9 @@ class CheckpointSpec:
     keep_every: int = 0  # 0: none kept beyond the newest `keep`
     # Peer snapshots in host memory (orchestrator/worker/snapshots.py): the share of step time copying the
     # state to the host may take; the interval in steps follows from it. 0 turns them off.
-    memory_budget: float = 0.05
+    snapshot_time_share: float = 0.05
     # A fixed interval of peer snapshots in steps, whatever they cost (a job that wants every step
-    # covered, or a test that must not depend on the machine's load); 0: as `memory_budget` allows.
+    # covered, or a test that must not depend on the machine's load); 0: as `snapshot_time_share` allows.
     snapshot_every: int = 0
 
 
@@ -91,7 +91,7 @@ class JobSpec:
         shapes alone (`planner = "shapes"`)."""
         return None if self.planner == "shapes" else self.planner
 
-    def slices(self):
+    def slice_layout(self):
         """The job's slice layout (`hosts.slices.SliceLayout`): hosts per slice, and what fails together."""
         from .slices import SliceLayout
 
@@ -119,7 +119,7 @@ _SCHEMA: dict[str, Any] = {
         "every": int,
         "keep": (int, 3),
         "keep_every": (int, 0),
-        "memory_budget": (float, 0.05),
+        "snapshot_time_share": (float, 0.05),
         "snapshot_every": (int, 0),
     },
 }
@@ -142,8 +142,28 @@ def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
         raise error(f"{what} {path!r} is not valid TOML: {e}") from None
 
 
+# Keys renamed, read under their old names too: old -> new, per table.
+RENAMED = {"checkpoint": {"memory_budget": "snapshot_time_share"}}
+
+
+def _renamed(raw: dict, source: str) -> dict:
+    """`raw` with keys renamed since (`RENAMED`) under their new names; both given is an error."""
+    for table, names in RENAMED.items():
+        section = raw.get(table)
+        if not isinstance(section, Mapping):
+            continue
+        section = dict(section)
+        for old, new in names.items():
+            if old in section and new in section:
+                raise JobFileError(f"{source}: [{table}] sets both {old} and {new}: keep {new} ({old} is its old name)")
+            if old in section:
+                section[new] = section.pop(old)
+        raw[table] = section
+    return raw
+
+
 def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<job>") -> JobSpec:
-    raw = dict(raw)
+    raw = _renamed(dict(raw), source)
     options = _options(raw.pop("options", {}), source)
     values = _check(raw, _SCHEMA, prefix="", source=source)
     hosts = HostsSpec(**values["hosts"])
@@ -203,7 +223,7 @@ def _check(raw: Mapping[str, Any], schema: Mapping[str, Any], *, prefix: str, so
             continue
         value = raw[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)  # `memory_budget = 0` is a float to anyone who writes it
+            value = float(value)  # `snapshot_time_share = 0` is a float to anyone who writes it
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise JobFileError(f"{source}: key {name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
         out[key] = value
@@ -245,17 +265,17 @@ def _check_values(job: JobSpec, source: str) -> None:
         f"key checkpoint.keep_every must be 0 (none) or positive, got {job.checkpoint.keep_every}",
     )
     need(
-        0.0 <= job.checkpoint.memory_budget < 1.0,
-        "key checkpoint.memory_budget must be a share of step time in [0, 1) (0: no snapshots in host memory), "
-        f"got {job.checkpoint.memory_budget}",
+        0.0 <= job.checkpoint.snapshot_time_share < 1.0,
+        "key checkpoint.snapshot_time_share must be a share of step time in [0, 1) (0: no snapshots in host memory), "
+        f"got {job.checkpoint.snapshot_time_share}",
     )
     need(
         job.checkpoint.snapshot_every >= 0,
-        f"key checkpoint.snapshot_every must be 0 (as memory_budget allows) or positive, got {job.checkpoint.snapshot_every}",
+        f"key checkpoint.snapshot_every must be 0 (as snapshot_time_share allows) or positive, got {job.checkpoint.snapshot_every}",
     )
     need(
-        job.checkpoint.snapshot_every == 0 or job.checkpoint.memory_budget > 0,
-        "key checkpoint.snapshot_every needs peer snapshots on: memory_budget = 0 turns them off",
+        job.checkpoint.snapshot_every == 0 or job.checkpoint.snapshot_time_share > 0,
+        "key checkpoint.snapshot_every needs peer snapshots on: snapshot_time_share = 0 turns them off",
     )
 
 
@@ -265,7 +285,7 @@ def _check_slices(job: JobSpec, need) -> None:
     from partitioner import UnknownHardwareError
 
     try:
-        layout = job.slices()
+        layout = job.slice_layout()
     except UnknownHardwareError as e:
         need(False, f"key hardware: {e.args[0]}")
         return

@@ -17,8 +17,10 @@ class CheckpointMeta:
 
     data_position: int  # the step whose data comes next
     examples_seen: int  # where the next step's examples begin in the data's global order
-    segment: int | None = None  # the segment that ran the steps in `reports` (counted from 0)
-    reports: tuple = ()  # the step reports past the newest commit before this one (StepRecord fields)
+    segment: int | None = None  # the segment that ran the steps in `step_records` (counted from 0)
+    # The records of the steps past the newest commit before this one (`STEP_RECORD` fields); kept
+    # on disk under "reports", the key older checkpoints have.
+    step_records: tuple = ()
     digest: str | None = None  # of the state (job/digest.py); None: none was taken
     step: int | None = None  # a snapshot's step (a checkpoint's is its directory's)
     # Who wrote a checkpoint (None in a snapshot): the program, and the job settings it ran with.
@@ -30,8 +32,8 @@ class CheckpointMeta:
     options: dict | None = None
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        out["reports"] = list(self.reports)
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "step_records"}
+        out["reports"] = list(self.step_records)
         return out
 
     @classmethod
@@ -41,15 +43,19 @@ class CheckpointMeta:
         position = int(meta.get("data_position", step))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(
-            **{k: v for k, v in meta.items() if k in known and k not in ("data_position", "examples_seen", "reports")},
+            **{
+                k: v
+                for k, v in meta.items()
+                if k in known and k not in ("data_position", "examples_seen", "step_records")
+            },
             data_position=position,
             examples_seen=int(meta.get("examples_seen", position * global_batch)),
-            reports=tuple(meta.get("reports", ())),
+            step_records=tuple(meta.get("reports", ())),
         )
 
     def reported(self) -> dict:
         """What a restore report carries of it: the step reports kept, and the segment that ran them."""
-        return {"segment": self.segment, "steps": list(self.reports)}
+        return {"segment": self.segment, "steps": list(self.step_records)}
 
 
 # What a step report keeps in checkpoint metadata and in the fleet store's step rows.

@@ -145,7 +145,7 @@ class Restore(Report):
     took: float | None = _optional()  # all it took, beside the compile (its lap holds what it took beyond)
     bytes_read: int = 0
     bytes_needed: int = 0
-    # The step reports its metadata kept (`CheckpointMeta.reports`), and the segment that ran them.
+    # The step reports its metadata kept (`CheckpointMeta.step_records`), and the segment that ran them.
     reported: dict | None = _optional()
     digest: str | None = _optional()
     saved_digest: str | None = _optional()

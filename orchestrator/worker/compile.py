@@ -12,7 +12,7 @@ from typing import Any
 
 from ..job.digest import compile_digest
 from ..protocol import CompileAhead, SegmentSpec, plan_key
-from .hooks import Hook, StepDone
+from .hooks import Hook, StepDispatched
 from .laps import Reporter
 
 
@@ -180,7 +180,7 @@ class AheadHook(Hook):
     def __init__(self, ahead: Callable[[], str | None], program, abstract_state, abstract_batch, spec, report):
         self._ahead, self._args = ahead, (program, abstract_state, abstract_batch, spec, report)
 
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, done: StepDispatched) -> None:
         import jax
 
         if done.ends_segment or jax.process_index() != 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..protocol import Eval
-from .hooks import Hook, StepDone
+from .hooks import Hook, StepDispatched
 from .laps import Laps
 from .scalars import scalar_metrics
 
@@ -17,7 +17,7 @@ class EvalHook(Hook):
     def wants_state(self, step: int, boundary: bool) -> bool:
         return step % self._evaluation.every == 0
 
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, done: StepDispatched) -> None:
         if not self.wants_state(done.step, done.boundary):
             return
         import jax

@@ -5,7 +5,7 @@ else is a `Hook` run after each step, in order: the evaluation (evaluation.py), 
 (saves.py), compiling ahead (compile.py) and the peer snapshot (snapshots.py). A hook that needs
 the state a step produced says so (`wants_state`): the next step donates it, so the loop reads
 the step back before the hooks run. Hooks do not reach into each other or into the loop: what one
-needs rides on the step's record (`StepDone`), and what it held the loop for goes back on it.
+needs rides on the step's record (`StepDispatched`), and what it held the loop for goes back on it.
 Every hook is closed when the segment ends, on an error too.
 """
 
@@ -26,7 +26,7 @@ def _nothing_unsaved(upto: int) -> list[dict]:
 
 
 @dataclasses.dataclass
-class StepDone:
+class StepDispatched:
     """A step dispatched (its metrics perhaps not read back yet), as the hooks after it see it."""
 
     step: int
@@ -51,7 +51,7 @@ class Hook:
         """This step's state is needed after it (the loop reads the step back before the hooks)."""
         return False
 
-    def after_step(self, done: StepDone) -> None: ...
+    def after_step(self, done: StepDispatched) -> None: ...
 
     def close(self) -> None:
         """The segment ends (also on an error): finish what is in flight."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..job.digest import digest as digest_of
 from ..protocol import Checkpoint, CheckpointFailed, CheckpointMeta, SegmentSpec, Step, Stop, step_record
-from .hooks import FaultHook, Hook, StepDone
+from .hooks import FaultHook, Hook, StepDispatched
 from .laps import Laps, Reporter
 
 MAX_FAILED_SAVES = 3
@@ -97,7 +97,7 @@ class SaveHook(Hook):
     def wants_state(self, step: int, boundary: bool) -> bool:
         return boundary
 
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, done: StepDispatched) -> None:
         self.saves.settle_if_done()
         if done.boundary or done.stop is Stop.NOW:
             self.saves.save(done.step, functools.partial(self._save, done.state, done.step))
@@ -117,7 +117,7 @@ class SaveHook(Hook):
             data_position=step,
             examples_seen=self.position.example_index(step),
             segment=spec.segment,
-            reports=tuple(steps),  # this segment's steps past the last commit
+            step_records=tuple(steps),  # this segment's steps past the last commit
             program=spec.program,
             seed=spec.seed,
             program_fingerprint=spec.fingerprint,

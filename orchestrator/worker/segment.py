@@ -24,7 +24,7 @@ from ..protocol import CheckpointFlush, Compile, GroupStart, Load, SegmentSpec, 
 from .agreement import StopAgreement
 from .compile import AheadHook, DigestProgram, Executables, sharded, step_flops
 from .evaluation import EvalHook
-from .hooks import FaultHook, Hook, StepDone, closing, load_fault_hook
+from .hooks import FaultHook, Hook, StepDispatched, closing, load_fault_hook
 from .inputs import Prefetch, batches
 from .laps import Deferred, Laps, Reporter
 from .process import compile_once, start_group
@@ -208,7 +208,7 @@ def _train(
 
     position = DataPosition(spec.global_batch, *restored.position)
     saves = Saves(loaded.store, report, spec.checkpoint.dir)
-    pace = SnapshotPace(spec.checkpoint.memory_budget, peers, fixed=spec.checkpoint.snapshot_every)
+    pace = SnapshotPace(spec.checkpoint.snapshot_time_share, peers, fixed=spec.checkpoint.snapshot_every)
     agreement = StopAgreement(should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval)
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = loaded.plan.devices_used * profile(spec.hardware).peak_flops
@@ -253,7 +253,7 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
         state, metrics = step_fn(state, batch)
         reports.dispatched(index + 1, metrics, agreement.snapshot_every)
         reached = index + 1
-        done = StepDone(reached, state, boundary=reached % spec.checkpoint.every == 0 or reached == spec.steps,
+        done = StepDispatched(reached, state, boundary=reached % spec.checkpoint.every == 0 or reached == spec.steps,
                         last=reached == spec.steps)  # fmt: skip
         if index == first or any(h.wants_state(reached, done.boundary) for h in hooks):
             # Read back now: the next step would donate the state a hook needs, and an evaluation's

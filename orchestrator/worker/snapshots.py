@@ -12,7 +12,7 @@ import statistics
 import time
 
 from ..protocol import CheckpointMeta
-from .hooks import Hook, StepDone
+from .hooks import Hook, StepDispatched
 
 
 class SnapshotPace:
@@ -66,7 +66,7 @@ class SnapshotHook(Hook):
     def __init__(self, peers, pace: SnapshotPace, position, spec, digest):
         self.peers, self.pace, self.position, self.spec, self.digest = peers, pace, position, spec, digest
 
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, done: StepDispatched) -> None:
         every = done.snapshot_every
         if done.ends_segment or not every or done.step % every:
             return
@@ -76,7 +76,7 @@ class SnapshotHook(Hook):
             examples_seen=self.position.example_index(done.step),
             segment=self.spec.segment,
             step=done.step,
-            reports=tuple(done.unsaved(done.step)),
+            step_records=tuple(done.unsaved(done.step)),
         )
         copy = take_snapshot(self.peers, done.state, meta, self.pace, self.digest)
         self.pace.took(copy, seconds)

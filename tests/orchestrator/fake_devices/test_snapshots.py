@@ -164,7 +164,7 @@ def trained_then_lost(path, memory):
     from tests.helpers.segments import spec
 
     first = spec(path, 8, 13)
-    first = dataclasses.replace(first, checkpoint=dataclasses.replace(first.checkpoint, memory_budget=0.9))
+    first = dataclasses.replace(first, checkpoint=dataclasses.replace(first.checkpoint, snapshot_time_share=0.9))
     run_segment(first, lambda r: None, peers=memory)
     shutil.rmtree(path / "ckpt" / "13")
     assert memory.shares and max(memory.shares) <= 12 and 1 in memory.shares  # the first step always

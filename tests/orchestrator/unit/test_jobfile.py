@@ -35,6 +35,7 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
     assert job.hosts.devices_per_host == 2
     assert job.priority == 0 and job.queue == "default"
     assert parse_job(with_(priority=7, queue="research")).priority == 7
+    assert parse_job(with_(checkpoint__memory_budget=0.2)).checkpoint.snapshot_time_share == 0.2  # its old name
     assert (
         job.checkpoint.snapshot_every == 0
         and parse_job(with_(checkpoint__snapshot_every=4)).checkpoint.snapshot_every == 4
@@ -56,7 +57,8 @@ def test_parses_with_defaults_and_resolves_dir(tmp_path):
         ({"steps": 0}, ["steps must be positive"]),
         ({"checkpoint__keep_every": -5}, ["checkpoint.keep_every must be 0 (none) or positive, got -5"]),
         ({"checkpoint__snapshot_every": -1}, ["checkpoint.snapshot_every must be 0", "got -1"]),
-        ({"checkpoint__snapshot_every": 2, "checkpoint__memory_budget": 0.0}, ["memory_budget = 0 turns them off"]),
+        ({"checkpoint__snapshot_every": 2, "checkpoint__snapshot_time_share": 0.0}, ["snapshot_time_share = 0 turns"]),
+        ({"checkpoint__memory_budget": 0.1, "checkpoint__snapshot_time_share": 0.1}, ["sets both memory_budget and"]),
         ({"planner": "greedy"}, ["key planner must be one of ('fast', 'thorough', 'shapes'), got 'greedy'"]),
         ({"options": "train.bin"}, ["options must be a table ([options])", "str 'train.bin'"]),
         ({"priority": "high"}, ["key priority must be int, got str 'high'"]),

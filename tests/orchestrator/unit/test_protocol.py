@@ -122,7 +122,7 @@ def test_metadata_written_before_the_dataclass_reads_back_and_writes_the_same_di
 
 def test_metadata_that_remesh_did_not_write_resumes_the_data_at_the_step():
     meta = CheckpointMeta.from_dict({}, step=12, global_batch=24)  # a plain Orbax checkpoint
-    assert (meta.data_position, meta.examples_seen, meta.reports, meta.digest) == (12, 12 * 24, (), None)
+    assert (meta.data_position, meta.examples_seen, meta.step_records, meta.digest) == (12, 12 * 24, (), None)
     meta = CheckpointMeta.from_dict({"data_position": 12}, step=12, global_batch=8)
     assert meta.examples_seen == 96
 

@@ -24,10 +24,10 @@ def job(hardware="tpu-v5p", **hosts):
 
 
 def test_profiles_give_the_default_layout_and_the_job_file_overrides_it():
-    assert job().slices() == SliceLayout(None, "slice")  # a TPU job on one slice, as before
-    assert job("h100").slices() == SliceLayout(1, "host")  # every GPU host its own NVLink domain
-    assert job(hosts_per_slice=2).slices() == SliceLayout(2, "slice")
-    assert job("cpu").slices() == SliceLayout(None, "host")
+    assert job().slice_layout() == SliceLayout(None, "slice")  # a TPU job on one slice, as before
+    assert job("h100").slice_layout() == SliceLayout(1, "host")  # every GPU host its own NVLink domain
+    assert job(hosts_per_slice=2).slice_layout() == SliceLayout(2, "slice")
+    assert job("cpu").slice_layout() == SliceLayout(None, "host")
 
 
 def test_hosts_per_slice_must_divide_the_hosts_a_job_runs_on():

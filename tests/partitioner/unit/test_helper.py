@@ -1,4 +1,4 @@
-"""The pricing helper (partitioner/pricing.py): candidates priced in a second process come back as
+"""The pricing helper (partitioner/helper.py): candidates priced in a second process come back as
 this process prices them, in the order asked, and a helper that stalls, dies or is busy with
 another thread's plan leaves every plan as it was."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from partitioner import pricing
+from partitioner import helper as pricing
 from partitioner.search import search
 from tests.corpus import load
 

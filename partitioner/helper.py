@@ -47,7 +47,7 @@ HELPER_QUEUE = 2  # jobs out at the helper at once: it starts the next while thi
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class PricingTask:
     """One candidate to price: `annotations` (optimizer state already mirrored) spread with
     `first` (the batch) first; None back where it takes `beyond` seconds or more."""
 
@@ -57,7 +57,7 @@ class Job:
     beyond: float = math.inf
 
 
-def price(fold: Fold, hw: Hardware, job: Job) -> tuple[Cost | None, Propagation]:
+def price(fold: Fold, hw: Hardware, job: PricingTask) -> tuple[Cost | None, Propagation]:
     prop = propagate(fold.graph, job.annotations, job.mesh, first=job.first)
     return estimate(prop, hw, fold, beyond=job.beyond), prop
 
@@ -82,7 +82,9 @@ class Pricer:
             finally:
                 helper.lock.release()
 
-    def each(self, jobs: Iterable[Job], whole: bool = False) -> Iterator[tuple[Cost | None, Propagation | None]]:
+    def each(
+        self, jobs: Iterable[PricingTask], whole: bool = False
+    ) -> Iterator[tuple[Cost | None, Propagation | None]]:
         """Each job's cost and propagation, in order (the propagation None where the helper
         priced it). While the helper prices one job, this process prices the next ones. `whole`:
         the reader reads them all, so the helper starts from the last job and works back (jobs
@@ -165,13 +167,13 @@ class _Helper:
             self.loaded = (weakref.ref(fold), hw)
         return self.alive
 
-    def send(self, job: Job) -> None:
+    def send(self, job: PricingTask) -> None:
         self._write(_dumps(("price", job)))
 
     def answered(self) -> bool:
         return self._waiting(0)
 
-    def answer(self, fold: Fold, hw: Hardware, job: Job) -> Cost | None:
+    def answer(self, fold: Fold, hw: Hardware, job: PricingTask) -> Cost | None:
         """The helper's price for `job`, or this process's where the helper fails or is slow."""
         reply = _read(self.back) if self.alive and self._waiting(HELPER_WAIT_S) else None
         if reply is not None and reply[0] == "ok":
@@ -219,7 +221,7 @@ import ml_dtypes  # bfloat16 and the float8s as numpy dtypes, as JAX registers t
 package = types.ModuleType("partitioner")
 package.__path__ = [{package!r}]
 sys.modules["partitioner"] = package
-from partitioner.pricing import _serve
+from partitioner.helper import _serve
 _serve()
 """
 
