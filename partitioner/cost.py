@@ -3,7 +3,7 @@ communication per collective, and peak memory per device from value liveness.
 
 Peak memory is `memory.peak`: XLA's layout of argument, result and temporary buffers.
 
-Collectives follow DESIGN.md: an all-reduce of n bytes over p devices costs 2(p-1)/p * n/B plus
+Collectives follow the project design (README, "How it works"): an all-reduce of n bytes over p devices costs 2(p-1)/p * n/B plus
 the latencies of a ring or a tree, whichever are fewer (`hardware.latency_steps`); an all-gather (a
 reshard here) or a reduce-scatter of shards of s bytes costs (p-1) * s/B plus (p-1) latencies. The
 link is the slowest one the group crosses: devices of the innermost mesh axes

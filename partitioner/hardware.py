@@ -8,7 +8,7 @@ alpha + bytes / bandwidth; `intra` applies within one host, `inter` between the 
 slowest level its group crosses (`Hardware.link`).
 
 Figures are bf16 dense peaks and per-device, one-direction bandwidths from vendor data sheets
-(H100 SXM, H200, B200, GB200 NVL72; TPU v4, v5e, v5p, v6e), as ../shared/FIELD.md lists them:
+(H100 SXM, H200, B200, GB200 NVL72; TPU v4, v5e, v5p, v6e):
 DCN per chip 25 Gb/s on v5e (2 x 100 Gb/s per 8-chip host), 50 Gb/s on v5p, 100 Gb/s on v6e
 (4 x 200 Gb/s per 8-chip host); 400 Gb/s per GPU (ConnectX-7) on H100, H200, B200 and GB200.
 The TPUs' ICI is one torus link in one direction (a ring over one mesh axis uses one dimension

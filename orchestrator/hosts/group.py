@@ -176,7 +176,7 @@ class HostGroup:
         snapshots: Sequence | None = None,
         executables: dict | None = None,
     ) -> None:
-        """`snapshots`: one `snapshots.HostSnapshots` per host, or None (no peer snapshots);
+        """`snapshots`: one `keepers.Keepers.placements` entry per host, or None (no peer snapshots);
         `executables`: compiled ahead for this group's plan, or None (pickled, and put in the object store
         once, for every host). Raises HostsLostError if a host died since the group was made
         (its node killed before Ray noticed, say)."""

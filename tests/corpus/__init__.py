@@ -1,6 +1,6 @@
 """Training steps written the way public codebases write them (each module's docstring names
 which), with the plans an experienced engineer writes for 8 devices (`EXPERTS`). The partitioner
-is checked against them by what XLA compiles (`tests/test_partitioner_corpus.py`,
+is checked against them by what XLA compiles (`tests/partitioner/fake_devices/test_corpus.py`,
 `benchmarks/corpus.py`).
 
 Each module has `build(layers=..., **options) -> (step, (state, batch))`, abstract arguments, and
