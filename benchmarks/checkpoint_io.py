@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from _harness import fake_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, D, FF, LAYERS = 50304, 768, 3072, 24
 
@@ -244,13 +246,7 @@ def orbax_baseline(state, base: str, mesh8) -> dict:
 
 
 def subprocess_json(argv: list[str], devices: int = 8, extra_env: dict | None = None) -> dict:
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT,
-        **(extra_env or {}),
-    )
+    env = fake_devices(devices, dict(os.environ, PYTHONPATH=ROOT, **(extra_env or {})))
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--role", *argv],
         env=env,
@@ -296,7 +292,7 @@ def multiprocess_restore(path: str, step: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = fake_devices(2, dict(os.environ, PYTHONPATH=ROOT))
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--role", "process", path, str(step), str(p), str(port)],
@@ -365,7 +361,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    fake_devices(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     main()

@@ -213,10 +213,10 @@ def ab(base: str, names) -> None:
 
 
 def _in_turn(base: str, r: int) -> tuple[tuple[str, str], ...]:
-    """(label, root) of the tree at BASE and this checkout, BASE first in even rounds: neither
-    always runs on the machine as the other left it."""
-    trees = (("base", base), ("this", ROOT))
-    return trees if r % 2 == 0 else trees[::-1]
+    """(label, root) of the tree at BASE and this checkout, in round `r`'s order (`_harness.in_turn`)."""
+    from _harness import in_turn
+
+    return tuple(in_turn((("base", base), ("this", ROOT)), r))
 
 
 def thorough(base: str, names) -> None:
@@ -469,7 +469,9 @@ def large() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    from _harness import fake_devices
+
+    fake_devices(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     what, names = sys.argv[1], sys.argv[2:]

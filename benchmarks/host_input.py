@@ -88,7 +88,9 @@ def _measure(files, hosts, sharding, shapes, batch: int, rows: bool, steps: int 
 
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
+    from _harness import fake_devices
+
+    fake_devices(64)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     main()

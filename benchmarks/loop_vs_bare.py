@@ -140,7 +140,9 @@ def _bare(plan_json: str, args) -> float:
 
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    from _harness import fake_devices
+
+    fake_devices(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     main()

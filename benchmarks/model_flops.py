@@ -5,14 +5,13 @@ GPT at three sizes; and what one device's partitioned program executes on 8 devi
     .venv/bin/python benchmarks/model_flops.py
 """
 
-import os
+from _harness import ROOT, fake_devices
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+fake_devices(8)  # before jax is imported, below
 
 import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 

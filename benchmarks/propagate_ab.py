@@ -37,6 +37,8 @@ def old_module(rev: str):
 
 
 def main(rev: str, names) -> None:
+    from _harness import in_turn
+
     import partitioner.helper as pricing_helper
     import partitioner.propagate as new
     from partitioner.search import search
@@ -60,9 +62,9 @@ def main(rev: str, names) -> None:
         graphs = {tag: _uncached(calls[0][0]) for tag in ("rev", "now")}  # each revision's own per-graph caches
         times, same = {"rev": [], "now": []}, True
         gc.disable()
-        for _ in range(5):
+        for r in range(5):
             results = {}
-            for tag, m in (("rev", old), ("now", new)):
+            for tag, m in in_turn((("rev", old), ("now", new)), r):
                 graph = graphs[tag]
                 graph._first_stage.clear()
                 t = time.perf_counter()
@@ -96,7 +98,9 @@ def _uncached(graph):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    from _harness import fake_devices
+
+    fake_devices(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     main(sys.argv[1], sys.argv[2:])

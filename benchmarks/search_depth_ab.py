@@ -1,48 +1,50 @@
-"""The 96-to-12-layer ratio of a whole `search(..., level="fast")` call, in one process.
+"""The 96-to-12-layer ratio of a whole `search(..., level="fast")` call, in two checkouts.
 
-    .venv/bin/python benchmarks/search_depth_ab.py ROOT [REPEATS] [DEVICES]
+    git worktree add /tmp/base <commit>
+    .venv/bin/python benchmarks/search_depth_ab.py --base /tmp/base [--rounds 3] [--devices 1024]
 
-ROOT is a checkout of this repository (this one, or a `git worktree` of an older commit, so two
-commits can be timed in alternating processes on the same machine). The GPT-3-175B-shaped step
-of `search_scaling.py`, written as a Python loop, at 12 and 96 layers; each depth's step and
-arguments are built once, then the two depths alternate REPEATS times; medians are printed.
+The GPT-3-175B-shaped step of `search_scaling.py`, written as a Python loop, at 12 and 96 layers:
+each round, each checkout in a fresh process of its own builds both depths once and times one
+search of each (`_harness.ab`: the checkouts alternate which goes first); medians and their ratio.
 """
 
+import argparse
 import os
-import re
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import ROOT, ab, run_code  # noqa: E402
+
+TIMED = """
+import json, re, time
+from examples.targets import gpt
+from partitioner.search import search
+out = {{}}
+for layers in (12, 96):
+    step, args = gpt(12288, 96, 49152, 50257, 2048, layers, 128)
+    t = time.perf_counter()
+    plan, _ = search(step, *args, devices={devices}, hardware="h100", level="fast", memory_limit=10**15)
+    out[f"total_{{layers}}"] = time.perf_counter() - t
+    note = next(n for n in plan.notes if n.startswith("time:"))
+    out[f"search_{{layers}}"] = float(re.findall(r"search (\\d+\\.\\d+) s", note)[0])
+out["ratio"] = out["total_96"] / out["total_12"]
+print(json.dumps(out))
+"""
+FIGURES = ("total_12", "total_96", "search_12", "search_96", "ratio")
 
 
-def main() -> None:
-    root = sys.argv[1]
-    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    devices = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, root)
-    from examples.targets import gpt
-    from partitioner.search import search
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the other checkout (a git worktree of the baseline commit)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--devices", type=int, default=1024)
+    args = ap.parse_args()
+    import json
 
-    models = {layers: gpt(12288, 96, 49152, 50257, 2048, layers, 128) for layers in (12, 96)}
-    runs: dict[int, list[tuple[float, ...]]] = {12: [], 96: []}
-    for _ in range(repeats):
-        for layers, (step, args) in models.items():
-            t = time.perf_counter()
-            plan, _ = search(step, *args, devices=devices, hardware="h100", level="fast", memory_limit=10**15)
-            total = time.perf_counter() - t
-            note = next(n for n in plan.notes if n.startswith("time:"))
-            runs[layers].append((total, *(float(x) for x in re.findall(r"(\d+\.\d+) s", note))))
-    median = lambda xs: sorted(xs)[len(xs) // 2]
-    for layers, rows in runs.items():
-        print(
-            root,
-            layers,
-            "total {:.3f} capture {:.3f} fold {:.3f} search {:.3f}".format(
-                *(median([r[i] for r in rows]) for i in range(4))
-            ),
-        )
-    print(f"ratio {median([r[0] for r in runs[96]]) / median([r[0] for r in runs[12]]):.2f}")
+    measure = lambda root: json.loads(run_code(root, TIMED.format(devices=args.devices)).splitlines()[-1])
+    ab({"base": os.path.abspath(args.base), "this": ROOT}, args.rounds, measure, FIGURES)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
