@@ -1,12 +1,12 @@
 """What watches a job is a callback: the controller tells its callbacks of every transition, host
 report, event and poll, and they keep the run summary, the goodput ledger, the fleet store, Ray's
-metrics and the terminal (telemetry/), or inject faults (orchestrator/chaos.py). None of them changes
-what the controller decides.
+metrics and the terminal (telemetry/), or inject faults (orchestrator/chaos.py). Each reads the job
+through a `ControllerView`; none of them changes what the controller decides.
 
 Example: a callback that prints every host loss.
 
     class Losses(ControllerCallback):
-        def on_event(self, controller, event):
+        def on_event(self, view, event):
             if event.kind == EventKind.HOST_LOST:
                 print(f"lost hosts {event.fields['hosts']} at step {event.step}")
 
@@ -28,46 +28,46 @@ class Callbacks(ControllerCallback):
     def __init__(self, callbacks: Sequence[ControllerCallback]):
         self.callbacks = list(callbacks)
 
-    def on_attach(self, controller) -> None:
+    def on_attach(self, view) -> None:
         for c in self.callbacks:
-            c.on_attach(controller)
+            c.on_attach(view)
 
-    def on_start(self, controller) -> None:
+    def on_start(self, view) -> None:
         for c in self.callbacks:
-            c.on_start(controller)
+            c.on_start(view)
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         for c in self.callbacks:
-            c.on_state(controller, previous, state)
+            c.on_state(view, previous, state)
 
-    def on_report(self, controller, host: int, report: Report, speaker: bool) -> None:
+    def on_report(self, view, host: int, report: Report, speaker: bool) -> None:
         for c in self.callbacks:
-            c.on_report(controller, host, report, speaker)
+            c.on_report(view, host, report, speaker)
 
-    def on_event(self, controller, event: Event) -> None:
+    def on_event(self, view, event: Event) -> None:
         for c in self.callbacks:
-            c.on_event(controller, event)
+            c.on_event(view, event)
 
-    def on_recovered(self, controller, seconds: float) -> None:
+    def on_recovered(self, view, seconds: float) -> None:
         for c in self.callbacks:
-            c.on_recovered(controller, seconds)
+            c.on_recovered(view, seconds)
 
-    def on_warning(self, controller, text: str) -> None:
+    def on_warning(self, view, text: str) -> None:
         for c in self.callbacks:
-            c.on_warning(controller, text)
+            c.on_warning(view, text)
 
-    def on_poll(self, controller) -> None:
+    def on_poll(self, view) -> None:
         for c in self.callbacks:
-            c.on_poll(controller)
+            c.on_poll(view)
 
-    def on_end(self, controller) -> None:
+    def on_end(self, view) -> None:
         for c in self.callbacks:
-            c.on_end(controller)
+            c.on_end(view)
 
-    def test_hooks(self, controller, hosts: int) -> dict[int, HookRef]:
+    def test_hooks(self, view, hosts: int) -> dict[int, HookRef]:
         hooks: dict[int, HookRef] = {}
         for c in self.callbacks:
-            hooks.update(c.test_hooks(controller, hosts))
+            hooks.update(c.test_hooks(view, hosts))
         return hooks
 
     def lost_at(self, node_ids: Sequence[str]) -> float | None:

@@ -48,37 +48,41 @@ class Event:
 
 
 class ControllerCallback:
-    def on_attach(self, controller) -> None:
+    """What watches a job. Each method gets a read-only view of the controller
+    (`control.view.ControllerView`: the job, its state, segments, group and clocks), never the
+    controller itself; callbacks are called in the order given but need none among them."""
+
+    def on_attach(self, view) -> None:
         """The controller is made (its clocks and job are there to read)."""
 
-    def on_start(self, controller) -> None:
+    def on_start(self, view) -> None:
         """`run()` begins."""
 
-    def on_state(self, controller, previous, state) -> None:
+    def on_state(self, view, previous, state) -> None:
         """A transition from `previous` to `state` (state.py) has been made."""
 
-    def on_report(self, controller, host: int, report: Report, speaker: bool) -> None:
-        """A host's report, before the controller acts on it (`controller.step_reached` is still the
+    def on_report(self, view, host: int, report: Report, speaker: bool) -> None:
+        """A host's report, before the controller acts on it (`view.step_reached` is still the
         step before a step report's). `speaker`: the host that speaks for the group (SPMD: every
         host reports the same steps)."""
 
-    def on_event(self, controller, event: Event) -> None:
+    def on_event(self, view, event: Event) -> None:
         """An event of the run summary."""
 
-    def on_recovered(self, controller, seconds: float) -> None:
+    def on_recovered(self, view, seconds: float) -> None:
         """The first step after a host loss is done, `seconds` after the loss was detected."""
 
-    def on_warning(self, controller, text: str) -> None:
+    def on_warning(self, view, text: str) -> None:
         """Something went wrong that the job survives (a plan made ahead failed, hosts could not be placed)."""
 
-    def on_poll(self, controller) -> None:
+    def on_poll(self, view) -> None:
         """A training group was polled and is still training."""
 
-    def on_end(self, controller) -> None:
+    def on_end(self, view) -> None:
         """`run()` ends, in any way."""
 
     # -- where fault injection reaches in (orchestrator/chaos.py); nothing elsewhere uses these ---------
-    def test_hooks(self, controller, hosts: int) -> dict[int, HookRef]:
+    def test_hooks(self, view, hosts: int) -> dict[int, HookRef]:
         """Hooks to attach to hosts of a group about to start: host index -> hook."""
         return {}
 
