@@ -58,6 +58,18 @@ def client(address: str):
         ) from None
 
 
+def submission_env(submission_id: str) -> dict[str, str]:
+    """The environment a submitted run (and its job supervisor) gets. The run records itself
+    under its submission id, so status finds this submission, not the latest run of the job's
+    name. `remesh stop` (Ray's job stop) sends SIGTERM, then SIGKILL after the supervisor's
+    RAY_JOB_STOP_WAIT_TIME_S (3 s by default), read from this environment: the run gets the grace
+    a stop promises (commit the step reached, write its summary; `stop_grace_s`), and 10 s more."""
+    from ..control.controller import ControllerConfig
+
+    wait = int(ControllerConfig().stop_grace_s) + 10
+    return {"REMESH_RUN_ID": submission_id, "RAY_JOB_STOP_WAIT_TIME_S": str(wait)}
+
+
 def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> str:
     """Submit the job file at `job_path`; returns the submission id. The job file is checked here
     first, so a broken one is refused before anything reaches the cluster."""
@@ -95,9 +107,7 @@ def submit(job_path: str, config: SubmitConfig, *, chaos: str | None = None) -> 
     if config.stop_file:
         args += ["--stop-file", config.stop_file]
     submission_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
-    # The run records itself under its submission id, so status finds this submission, not the
-    # latest run of the job's name.
-    runtime_env["env_vars"] = {"REMESH_RUN_ID": submission_id}
+    runtime_env["env_vars"] = submission_env(submission_id)
     return client(config.address).submit_job(
         entrypoint=cd + shlex.join(args),
         submission_id=submission_id,

@@ -140,3 +140,14 @@ def test_ckpt_ls_inspect_verify(tmp_path, capsys, devices8):
     reports = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["ok"]) for r in reports] == [(10, True), (20, False)]
     assert any("leaf w" in p for p in reports[1]["problems"])
+
+
+def test_a_submitted_run_gets_the_grace_a_stop_promises_before_ray_kills_it():
+    # Ray's job stop sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s by default):
+    # a loaded cluster's run was killed before it committed the step reached.
+    from orchestrator.cli.submit import submission_env
+    from orchestrator.control.controller import ControllerConfig
+
+    env = submission_env("job-1")
+    assert env["REMESH_RUN_ID"] == "job-1"
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) > ControllerConfig().stop_grace_s
