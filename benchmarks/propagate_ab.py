@@ -66,7 +66,7 @@ def main(rev: str, names) -> None:
             results = {}
             for tag, m in in_turn((("rev", old), ("now", new)), r):
                 graph = graphs[tag]
-                graph._first_stage.clear()
+                (new.first_stages(graph) if tag == "now" else graph._first_stage).clear()
                 t = time.perf_counter()
                 results[tag] = [m.propagate(graph, a, mesh, first=f) for _, a, mesh, f in calls]
                 for p in results[tag]:  # (found when asked since dd51f82; priced candidates ask)
@@ -88,8 +88,9 @@ def _moves(p) -> list[tuple]:
 
 
 def _uncached(graph):
-    """A shallow copy of `graph` with none of what propagation keeps on it: the two revisions
-    keep different things under the same names."""
+    """A shallow copy of `graph` with none of what propagation keeps on it: a new graph, so
+    nothing this tree keeps by graph (`memo`), and the attributes an older revision kept on the
+    graph itself emptied."""
     copied = copy.copy(graph)
     for cache in ("_propagation", "_op_info", "_constants"):
         setattr(copied, cache, None)

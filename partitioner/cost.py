@@ -29,6 +29,7 @@ import numpy as np
 from . import memory
 from .hardware import Hardware, latency_steps
 from .ir import Graph
+from .memo import PerGraph
 from .propagate import Propagation
 
 if TYPE_CHECKING:
@@ -156,9 +157,11 @@ def _off_the_matmul_path(graph: Graph) -> set[int]:
     """Values no matmul depends on (a weight gradient on its way to the optimizer): nothing waits
     for their collectives, so independent ones are combined into few large ones. (Found once
     per graph: every candidate asks.)"""
-    if graph._off_path is None:
-        graph._off_path = _off_path(graph)
-    return graph._off_path
+    return _OFF_PATH.get(graph, lambda: _off_path(graph))
+
+
+_OFF_PATH = PerGraph("values off the matmul path")
+_WORK = PerGraph("ops' work")
 
 
 def _off_path(graph: Graph) -> set[int]:
@@ -192,7 +195,8 @@ class _Work:
 
 
 def _work(graph: Graph, materialized: set[int]) -> _Work:
-    if graph._work is None or graph._work.materialized is not materialized:
+    work = _WORK.get(graph)
+    if work is None or work.materialized is not materialized:
         flops, body, values, owner = [], [], [], []
         for op in graph.ops:
             tie = op.primitive == "tie"
@@ -204,7 +208,7 @@ def _work(graph: Graph, materialized: set[int]) -> _Work:
             body.append(op.trips * sum(o.flops for o in op.body.ops) if op.body is not None and not tie else 0)
             values += moved
             owner += [op.id] * len(moved)
-        graph._work = _Work(
+        work = _Work(
             materialized,
             np.array(sorted(materialized), dtype=np.int64),
             np.array(flops, dtype=np.float64),
@@ -212,7 +216,8 @@ def _work(graph: Graph, materialized: set[int]) -> _Work:
             np.array(values, dtype=np.int64),
             np.array(owner, dtype=np.int64),
         )
-    return graph._work
+        _WORK.put(graph, work)
+    return work
 
 
 def _compute_seconds(work: _Work, prop: Propagation, hardware: Hardware, mult) -> tuple[float, float]:

@@ -41,6 +41,8 @@ from . import memory
 from .capture import capture
 from .fold import Deepened, Fold, along_depths, fold
 from .ir import CaptureError, Graph
+from .memo import share
+from .propagate import first_stages
 from .stacks import (
     key_names,
     layer_groups,
@@ -184,6 +186,10 @@ def _traced_pair(traced: _Traced, pair: tuple[int, int], period: int) -> Shallow
     if any(m < 0 for m in mult):
         return None
     graph = dataclasses.replace(f2.graph, outputs=outputs[0], out_shape=statics_restored(outputs[1], swaps))
+    # The deep graph is the shallow fold's ops with the deep step's outputs: what propagation and
+    # pricing found of those ops holds for it, the first stages kept included (one dict for both).
+    first_stages(f2.graph)
+    share(graph, f2.graph)
     unmatched = _unmatched_scalars(f1.graph, of_shallow)
     deep = Deepened(f1, f2, graph, mult, to_shallow, unmatched, depths, times, line(f1.original_ops, f2.original_ops))
     return Shallow(deep, args2, g2.out_shape, list(leaves2), sources, traced.fold_seconds, tuple(steps))

@@ -126,7 +126,7 @@ class Op:
         )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # by identity: what reads a graph keeps its caches keyed by it (`memo`)
 class Graph:
     values: list[Value]
     ops: list[Op]
@@ -136,11 +136,6 @@ class Graph:
     unknown: dict[str, int]  # primitives captured as OPAQUE for want of a rule, with counts
     out_shape: Any = None  # the function's output pytree of ShapeDtypeStructs (top-level graph)
     copies: list[Copies] = dataclasses.field(default_factory=list)  # a compact capture's replayed layers
-    _signature_ids: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
-    _propagation: object | None = dataclasses.field(default=None, repr=False, compare=False)  # (`propagate`)
-    _first_stage: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # (`propagate`)
-    _off_path: set[int] | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
-    _work: object | None = dataclasses.field(default=None, repr=False, compare=False)  # (`cost`)
 
     def flops(self, primitive: str | None = None) -> float:
         """FLOPs of one call (loop bodies and inlined scan bodies times their trips); of one

@@ -35,6 +35,7 @@ import numpy as np
 
 from .communication import Communication, Products, communication, constants, exchanges, landing, minor_factors, moved
 from .ir import Graph, Op
+from .memo import PerGraph
 from .rules import ELEMENTWISE
 
 Sharding = tuple[tuple[str, ...], ...]
@@ -143,7 +144,7 @@ def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Shardi
     key = None
     if len(stages) > 1:
         key = (tuple(mesh.items()), tuple(sorted(stages[0].items())), tuple(sorted(seeds.items())), max_sweeps)
-    kept = None if key is None else _kept(graph._first_stage, key)
+    kept = None if key is None else _kept(first_stages(graph), key)
     cached = kept is not None
     if cached:
         state = _copied(kept)
@@ -153,12 +154,21 @@ def _run(graph: Graph, stages, mesh, max_sweeps: int, seeds: Mapping[int, Shardi
     for n, stage in enumerate(stages):
         _stage(graph, state, stage, n == 0 and not cached, mesh, max_sweeps, touching)
         if key is not None and n == 0 and not cached:
-            _keep(graph._first_stage, key, _copied(state))
+            _keep(first_stages(graph), key, _copied(state))
     shardings, _, factor_axes, _, takeovers = state
     return shardings, factor_axes, takeovers
 
 
 SEEDED_KEPT = 8  # first stages kept per graph with seeds (a copy of the state each): those last used
+_FIRST = PerGraph("kept first stages")
+_STATIC = PerGraph("what propagation reads of the ops")
+
+
+def first_stages(graph: Graph) -> dict:
+    """The first stages kept for `graph` (key -> state; `_run`), made empty where none are. Made
+    under the lock: two planning threads ask for the same graph's."""
+    with _FIRST_STAGES:
+        return _FIRST.get(graph, dict)
 
 
 # A graph's kept first stages are shared by the threads that plan one step: a job's controller
@@ -329,7 +339,8 @@ class _Static:
 
 
 def _static(graph: Graph) -> _Static:
-    if graph._propagation is None:
+    found = _STATIC.get(graph)
+    if found is None:
         alias, relabels = _aliases(graph)
         skipped = set(relabels)
         touching: dict[int, list[int]] = {}
@@ -339,7 +350,7 @@ def _static(graph: Graph) -> _Static:
                     if v >= 0:
                         touching.setdefault(alias.get(v, v), []).append(op.id)
         constant = constants(graph)
-        graph._propagation = _Static(
+        found = _Static(
             [None if op.id in skipped else _info(graph, op, alias) for op in graph.ops],
             touching,
             constant,
@@ -349,7 +360,8 @@ def _static(graph: Graph) -> _Static:
             alias,
             relabels,
         )
-    return graph._propagation
+        _STATIC.put(graph, found)
+    return found
 
 
 def _aliases(graph: Graph) -> tuple[dict[int, int], list[int]]:

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .ir import Graph
+from .memo import PerGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +28,15 @@ class Repeat:
 
 def signature_ids(graph: Graph) -> list[int]:
     """Per op, an integer equal for ops with equal `Op.signature` (computed once per graph)."""
-    if graph._signature_ids is None:
-        ids: dict[tuple, int] = {}
-        graph._signature_ids = [
-            ids.setdefault(op.sig if op.sig is not None else op.signature(graph.values), len(ids)) for op in graph.ops
-        ]
-    return graph._signature_ids
+    return _SIGNATURES.get(graph, lambda: _signature_ids(graph))
+
+
+_SIGNATURES = PerGraph("signature ids")
+
+
+def _signature_ids(graph: Graph) -> list[int]:
+    ids: dict[tuple, int] = {}
+    return [ids.setdefault(op.sig if op.sig is not None else op.signature(graph.values), len(ids)) for op in graph.ops]
 
 
 def find_repeats(
