@@ -21,12 +21,16 @@ from collections.abc import Callable, Mapping, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def fake_devices(n: int, env: dict | None = None) -> dict:
+def fake_devices(n: int, env: dict | None = None, *, unless_set: bool = False) -> dict:
     """`n` fake CPU devices for JAX in `env` (default: this process's, which must not have
-    imported JAX yet); returns the environment."""
+    imported JAX yet); returns the environment. `unless_set`: a device count already there stays
+    (a script's own subprocesses, started with fewer)."""
     env = os.environ if env is None else env
     if env is os.environ and "jax" in sys.modules:
         raise RuntimeError(f"fake_devices({n}) after jax was imported: call it first, the flag is read at import")
+    if unless_set and "--xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        return env
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
     env["JAX_PLATFORMS"] = "cpu"

@@ -361,7 +361,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    fake_devices(8)
+    fake_devices(8, unless_set=True)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     main()

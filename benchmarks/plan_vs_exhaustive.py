@@ -148,7 +148,7 @@ def main() -> None:
 if __name__ == "__main__":
     from _harness import fake_devices
 
-    fake_devices(8)
+    fake_devices(8, unless_set=True)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     main()
