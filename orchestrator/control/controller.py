@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,9 @@ from ..hosts.interface import Cluster
 from ..job.jobfile import JobSpec
 from ..protocol import Compile, CompileAhead, Event, EventKind, Report, Restore, Step
 from . import policies
+from .ahead import Ahead
 from .callbacks import Callbacks, ControllerCallback
+from .losses import read_loss
 from .planning import PlanCache
 from .specs import GroupSpecs, slice_ids
 from .state import (
@@ -112,6 +115,7 @@ class JobController:
             Compile: self._compiled,
             CompileAhead: self.plans.compiled_ahead,
         }
+        self.ahead = Ahead(job, cluster, plans, standby, self._host_env)
         self.scaling.attach(self.view)
         self.callbacks.on_attach(self.view)
 
@@ -306,7 +310,7 @@ class JobController:
         if segment.first_step is None:
             segment.first_step, segment.first_step_at = report.step, round(self.now(), 3)
             self.step_seconds.clear()  # the first step of a group includes waiting for its peers
-            self._prepare_next()  # once a segment, off the recovery path: it has its first step
+            self.ahead.prepare(segment.hosts)  # once a segment, off the recovery path: it has its first step
         elif report.seconds:
             self.step_seconds.append(report.seconds)
         segment.last_step, segment.snapshot_every = report.step, report.snapshot_every
@@ -333,26 +337,14 @@ class JobController:
     def _compiled(self, report: Compile) -> None:
         self.segment.model_flops, self.segment.device_flops = report.model_flops, report.device_flops
 
-    def _prepare_next(self) -> None:
-        """What the next group will need, made while this one trains: a standby actor on every live
-        host, and plans for the meshes a resize would likely go to (a host fewer, a host more; a
-        slice, where slices fail whole)."""
-        if self.standby is not None:
-            self.standby.refill(self.cluster.alive_hosts(), self._host_env())
-        hosts = self.segment.hosts
-        unit = self.cluster.loss_unit(hosts)
-        for n in (hosts - unit, hosts + unit):
-            if self.job.hosts.min <= n <= self.job.hosts.max:
-                self.plans.plan_ahead(n * self.job.hosts.devices_per_host)
-
     def _send_ahead(self, state: Running) -> None:
         """A plan made ahead for a smaller mesh goes to the group, whose process 0 compiles its
         programs while it trains and reports them: a group on that plan loads them instead."""
-        for devices, plan in self.plans.made_ahead():
-            if isinstance(plan, Exception):
-                self.callbacks.on_warning(self.view, f"planning ahead for {devices} devices failed: {plan}")
-            elif plan.devices_used < state.segment.devices:
-                self.group.compile_ahead(plan.to_json())
+        plans, failed = self.ahead.made(state.segment.devices)
+        for text in failed:
+            self.callbacks.on_warning(self.view, text)
+        for plan_json in plans:
+            self.group.compile_ahead(plan_json)
 
     def _preempted(self) -> bool:
         path = self.config.stop_file
@@ -369,9 +361,9 @@ class JobController:
         if self.clock() - self._hosts_checked_at < self.config.host_check_interval_s:
             return state
         self._hosts_checked_at = self.clock()
-        alive = self.cluster.alive_hosts()
+        alive = functools.cache(self.cluster.alive_hosts)  # asked once, and only where needed
         if self.standby is not None and state.segment.first_step is not None:
-            self.standby.refill(alive, self._host_env())
+            self.ahead.refill(alive())  # a host that joined gets its standby actor
         decision = self.scaling.while_running(self.view, state, alive)
         if not isinstance(decision, policies.Resize):
             return state
@@ -399,34 +391,20 @@ class JobController:
 
     def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None) -> State:
         detected = self.clock()
-        alive, live = set(self.cluster.alive_hosts()), set(self.cluster.live_hosts())  # usable; every live one
-        nodes = self.group.node_ids
-        # Every host of the group whose node is gone, the poll's or not (a slice's hosts can die one
-        # after the other); a process that died on a live node went down with them (on CPU a lost
-        # coordinator aborts the others), or, with no node gone, is the loss itself.
-        dead = [i for i, n in enumerate(nodes) if n not in live]
-        hosts = dead or list(e.indices)
-        left = [n for n in nodes if n in live and n not in alive]
-        if left:  # a slice does not run with a host missing: its other hosts leave the group too
+        alive = self.cluster.alive_hosts()
+        loss = read_loss(self.group.node_ids, e.indices, alive, set(self.cluster.live_hosts()))
+        if loss.left:
             self.callbacks.on_warning(
-                self.view, f"{len(left)} host(s) of the slice that lost a host leave the group with it"
+                self.view, f"{loss.left} host(s) of the slice that lost a host leave the group with it"
             )
         caused = self.callbacks.lost_at(e.node_ids)
         failures = recovery.failures + 1 if recovery is not None else 1
         snapshot_every = self.segment.snapshot_every if self.segment else 0
-        self._event(EventKind.HOST_LOST, seconds=(detected - caused) if caused is not None else 0.0, hosts=hosts,
-                    processes=[i for i in e.indices if i not in hosts], nodes_dead=len(dead), slice_left=len(left),
+        self._event(EventKind.HOST_LOST, seconds=(detected - caused) if caused is not None else 0.0, hosts=loss.hosts,
+                    processes=loss.processes, nodes_dead=loss.dead, slice_left=loss.left,
                     snapshot_every=snapshot_every, detail=str(e))  # fmt: skip
         self._stop_group()
-        decision = self.failure.on_failure(
-            policies.Failure(
-                hosts_in_group=target,
-                hosts_lost=len(dead),
-                processes_lost=len([i for i in e.indices if i not in dead]),
-                hosts_alive=len(alive),
-                failures_in_a_row=failures - 1,
-            )
-        )
+        decision = self.failure.on_failure(loss.failure(target, len(alive), failures - 1))
         if isinstance(decision, policies.Fail):
             return Failed(decision.reason)
         return Planning(decision.hosts, Recovery(self.step_reached, detected, failures), decision=decision)

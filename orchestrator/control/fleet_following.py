@@ -11,6 +11,7 @@ a shrink would cost now, whether growing would pay), which every heartbeat then 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from ..protocol import EventKind
 from ..protocol.fleet import FleetProgress, Grant
@@ -60,7 +61,7 @@ class FleetFollowing:
             alive = alive[: grant.target]
         return grant, alive
 
-    def while_running(self, view, state, alive: list[str]) -> Continue | Resize:
+    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize:
         """Fewer hosts granted: stop at the next step boundary (the step reached is committed: at
         most the step in flight is computed again), also while a grow waits for its boundary;
         none: suspend likewise; more, once placed: grow at the next checkpoint boundary."""
@@ -68,7 +69,7 @@ class FleetFollowing:
         if grant.target < state.target:
             event = EventKind.SUSPEND if grant.target == 0 else EventKind.SHRINK
             return Resize(grant.target, grant.reason, event, at_once=True)
-        if not state.resize and state.target < grant.target <= len(alive):
+        if not state.resize and state.target < grant.target <= len(alive()):  # placed: asked only then
             return Resize(grant.target, f"{grant.target - state.target} more host(s) granted", EventKind.GROW)
         return Continue()
 

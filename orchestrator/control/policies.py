@@ -10,6 +10,7 @@ restart on the same hosts, or fail the job with a reason.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 from ..protocol import EventKind
@@ -69,9 +70,9 @@ class Scaling(Protocol):
         hosts (controller clock)."""
         ...
 
-    def while_running(self, view, state, alive: list[str]) -> Continue | Resize:
-        """Whether the training group (`state`, a `Running`) should resize, the cluster offering
-        `alive` hosts."""
+    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize:
+        """Whether the training group (`state`, a `Running`) should resize; `alive()`: the hosts
+        the cluster offers now (a round trip to the cluster: asked only where it decides)."""
         ...
 
     def status(self) -> str:
@@ -107,10 +108,10 @@ class ScalingPolicy(Scaling):
             return decision
         return Resize(min(decision.hosts, available), decision.reason)  # hosts may have gone since
 
-    def while_running(self, view, state, alive: list[str]) -> Continue | Resize:
+    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize:
         if state.resize:
             return Continue()
-        return self.on_progress(state.target, len(alive))
+        return self.on_progress(state.target, len(alive()))
 
 
 @dataclasses.dataclass(frozen=True)

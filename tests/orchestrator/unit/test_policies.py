@@ -54,3 +54,16 @@ def test_storm_kinds_parse_and_fire_where_they_belong():
     assert inj.due(30) == [Fault("lose", 10, (0, 2)), Fault("freeze", 30, (1,))]
     assert inj.hung("restore", None) == Fault("lose-in-restore", 20, (1,))
     assert inj.hangs(40) == [Fault("lose-in-start", 20)]
+
+
+def test_a_loss_is_read_from_the_nodes_gone_and_the_slices_they_break():
+    from orchestrator.control.losses import read_loss
+
+    nodes = ["a", "b", "c", "d"]  # slices (a, b) and (c, d)
+    # c's node is gone; d lives but leaves with its slice; process 0 died beside it (CPU aborts).
+    loss = read_loss(nodes, [0, 2], alive=["a", "b"], live=["a", "b", "d"])
+    assert (loss.hosts, loss.processes, loss.dead, loss.left, loss.processes_lost) == ([2], [0], 1, 1, 1)
+    # No node gone: the processes that died are the loss, and the failure policy restarts them.
+    loss = read_loss(nodes, [1], alive=nodes, live=nodes)
+    assert (loss.hosts, loss.processes, loss.dead) == ([1], [], 0)
+    assert FailurePolicy(2, 4).on_failure(loss.failure(4, 4, 0)) == Restart(4, "1 process(es) died on live hosts")
