@@ -234,7 +234,7 @@ class JobController:
             return Planning(None, state.recovery, state.stalled)
         spawn = self.clock() - t
         plan_json = state.plan.to_json()
-        specs = GroupSpecs(self.job, plan_json, len(self.segments), state.hosts,
+        specs = GroupSpecs(self.job, plan_json, len(self.segments),
                            slice_ids(self.cluster.slice_of(), self.group.node_ids), self.plans.fingerprint,
                            self.config.compilation_cache, self.model_flops,
                            self.callbacks.test_hooks(self.view, state.hosts))  # fmt: skip

@@ -23,8 +23,7 @@ class GroupSpecs:
     job: JobSpec
     plan_json: str
     segment: int  # the segment's index (the worker counts its saves' metadata by it)
-    hosts: int
-    slices: list[int]  # each process's slice (`slice_ids`)
+    slices: list[int]  # each process's slice (`slice_ids`), one per process of the group
     fingerprint: str
     compilation_cache: str | None
     model_flops: float | None
@@ -40,7 +39,7 @@ class GroupSpecs:
             checkpoint=job.checkpoint,
             plan_json=self.plan_json,
             coordinator=coordinator,
-            num_processes=self.hosts,
+            num_processes=len(self.slices),
             process_id=process_id,
             segment=self.segment,
             compilation_cache=self.compilation_cache,

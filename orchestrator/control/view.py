@@ -21,46 +21,27 @@ class GroupView:
     places: tuple[dict, ...]
 
 
+def _read(name: str, doc: str | None = None) -> property:
+    """A property that reads the controller's attribute `name`."""
+    return property(lambda self: getattr(self._c, name), doc=doc)
+
+
 class ControllerView:
     def __init__(self, controller):
         self._c = controller
 
-    @property
-    def job(self):
-        return self._c.job
-
-    @property
-    def config(self):
-        return self._c.config
-
-    @property
-    def cluster(self):
-        """The `hosts.interface.Cluster` the job runs on."""
-        return self._c.cluster
-
-    @property
-    def state(self):
-        return self._c.state
-
-    @property
-    def phase(self):
-        return self._c.state.phase
-
-    @property
-    def step_reached(self) -> int:
-        return self._c.step_reached
+    job = _read("job")
+    config = _read("config")
+    cluster = _read("cluster", "The `hosts.interface.Cluster` the job runs on.")
+    state = _read("state")
+    phase = _read("phase")
+    step_reached = _read("step_reached", "The highest step known done.")
+    segment = _read("segment", "The newest segment, or None before the first.")
+    started_wall = _read("started_wall")
 
     @property
     def segments(self) -> Sequence:
         return tuple(self._c.segments)
-
-    @property
-    def segment(self):
-        return self._c.segment
-
-    @property
-    def started_wall(self) -> float:
-        return self._c.started_wall
 
     @property
     def group(self) -> GroupView | None:

@@ -254,7 +254,7 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
         reports.dispatched(index + 1, metrics, agreement.snapshot_every)
         reached = index + 1
         done = StepDispatched(reached, state, boundary=reached % spec.checkpoint.every == 0 or reached == spec.steps,
-                        last=reached == spec.steps)  # fmt: skip
+                              last=reached == spec.steps, read_back=reports.read_back_seconds, unsaved=unsaved)  # fmt: skip
         if index == first or any(h.wants_state(reached, done.boundary) for h in hooks):
             # Read back now: the next step would donate the state a hook needs, and an evaluation's
             # time is its own only with the step done. Before the agreement, whose first broadcast
@@ -265,8 +265,7 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
         done.stop = agreement.agree(reached, done.boundary, reports.seconds)
         if done.stop is Stop.NOW:  # likewise, before the save of the step reached
             reports.read_back()
-        done.step_seconds, done.snapshot_every = reports.seconds, agreement.snapshot_every
-        done.read_back, done.unsaved = reports.read_back_seconds, unsaved
+        done.step_seconds, done.snapshot_every = reports.seconds, agreement.snapshot_every  # known once agreed
         for hook in hooks:
             hook.after_step(done)
         reports.copied += done.copied
