@@ -11,6 +11,7 @@ Imports nothing heavy: a benchmark calls `fake_devices` first, then imports JAX.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -19,6 +20,16 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ab_parser(doc: str, rounds: int | None = 3) -> argparse.ArgumentParser:
+    """The arguments every A/B script takes: `--base`, the other checkout (a `git worktree` of the
+    baseline commit), and `--rounds` (unless `rounds` is None)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the other checkout (a git worktree of the baseline commit)")
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
 
 
 def fake_devices(n: int, env: dict | None = None, *, unless_set: bool = False) -> dict:

@@ -12,7 +12,6 @@ devices). Prints each run, then the medians of each checkout and their ratio (th
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -20,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _harness import ab, run_in  # noqa: E402
+from _harness import ab, ab_parser, run_in  # noqa: E402
 from recovery import one_run, parts  # noqa: E402
 
 FIGURES = ("recovery_s", "detect_s", "compile_s", "restore_s", "first_step_s", "loss_badput_s", "goodput_ratio",
@@ -35,9 +34,7 @@ def loop_vs_bare(root: str, steps: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the other checkout (a git worktree of the baseline commit)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = ab_parser(__doc__)
     ap.add_argument("--loop-steps", type=int, default=40)
     args = ap.parse_args()
     trees = {"base": os.path.abspath(args.base), "this": ROOT}

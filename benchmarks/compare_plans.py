@@ -7,12 +7,11 @@ lines that differ.
     .venv/bin/python benchmarks/compare_plans.py --base /tmp/base
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import ROOT, run_code  # noqa: E402
+from _harness import ROOT, ab_parser, run_code  # noqa: E402
 
 LIST = """
 import json
@@ -28,8 +27,7 @@ for name, make in TARGETS.items():
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the other checkout (a git worktree of the baseline commit)")
+    ap = ab_parser(__doc__, rounds=None)
     args = ap.parse_args()
     lines = {name: run_code(root, LIST, devices=8).splitlines() for name, root in (("base", args.base), ("this", ROOT))}
     differ = [(b, t) for b, t in zip(lines["base"], lines["this"]) if b != t]

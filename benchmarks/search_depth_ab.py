@@ -8,12 +8,11 @@ each round, each checkout in a fresh process of its own builds both depths once 
 search of each (`_harness.ab`: the checkouts alternate which goes first); medians and their ratio.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import ROOT, ab, run_code  # noqa: E402
+from _harness import ROOT, ab, ab_parser, run_code  # noqa: E402
 
 TIMED = """
 import json, re, time
@@ -34,9 +33,7 @@ FIGURES = ("total_12", "total_96", "search_12", "search_96", "ratio")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the other checkout (a git worktree of the baseline commit)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = ab_parser(__doc__)
     ap.add_argument("--devices", type=int, default=1024)
     args = ap.parse_args()
     import json
