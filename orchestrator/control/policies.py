@@ -25,7 +25,7 @@ class Continue:
 class Resize:
     hosts: int
     reason: str
-    event: str = EventKind.HOST_ADDED  # what the run summary says of it, made while a group trains
+    event: str | None = None  # what the run summary says of a resize decided while a group trains
     at_once: bool = False  # stop the group at its next step boundary, not its next checkpoint
 
 
@@ -97,7 +97,7 @@ class ScalingPolicy(Scaling):
         """Grow when the cluster offers more hosts than the job runs on (at the next checkpoint)."""
         target = min(available, self.max_hosts)
         if target > current:
-            return Resize(target, f"{available - current} more host(s) available")
+            return Resize(target, f"{available - current} more host(s) available", EventKind.HOST_ADDED)
         return Continue()
 
     def admit(self, view, wanted: int | None, since: float) -> Resize | Wait | Fail:

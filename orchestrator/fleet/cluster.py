@@ -65,9 +65,11 @@ class FleetCluster(RayCluster):
         return len(alive_hosts())
 
     def slice_of(self) -> dict[str, str]:
-        """The slices of this job's hosts, as the hosts say them."""
-        mine = set(self.alive_hosts())
-        return {node: name for node, name in host_slices().items() if node in mine}
+        """The slices of this job's hosts, as the hosts say them (one read of Ray's node table)."""
+        nodes = ray.nodes()
+        alive = {n["NodeID"] for n in nodes if n["Alive"]}
+        mine = {node for node, _ in self.grant.hosts if node in alive}
+        return {node: name for node, name in host_slices(nodes).items() if node in mine}
 
     def placement(self, hosts: int) -> Placement:
         return self.placement_on(self.alive_hosts()[:hosts])
