@@ -36,9 +36,14 @@ How a plan is made, module by module:
                 `candidates` prices a tactic's plan (`Tactic`, `Candidate`)
     refine      the best tensor-parallel candidates improved one weight at a time
     exact       an ILP (HiGHS) over every weight's split, at the thorough level
+    layerscan   the layer scan (`jax.lax.scan` over stacked weights) found, and whether its body
+                keeps examples apart
+    pipelines   pipelined candidates: one stage's plan searched, composed with a stage axis and
+                priced (bubble, sends, memory); `pipeline` the pipelined scan in one SPMD program
     search      the choice (`options.PlanOptions` says how), `guard` compiling the top candidates
                 where the cost model cannot tell them apart, `explain` the plan and its notes
-    plan        `Plan`: data, bound to devices last; `verify` shows what XLA really compiles
+    plan        `Plan`: data, bound to devices last; `Plan.program(step)` (`program`) the step as
+                the plan runs it; `verify` shows what XLA really compiles
 
 `StepPlanner(fn, *args).plan(N, ...)` plans one step for several device counts, captured and
 folded once: how a job plans at start, ahead and at each resize. A search starts the pricing
@@ -49,7 +54,9 @@ from .candidates import Candidate
 from .errors import PlanInputError, PlanMemoryError
 from .hardware import PROFILES, Hardware, Link, UnknownHardwareError, profile
 from .options import LEVELS, PlanOptions
+from .pipeline import Pipeline
 from .plan import Cost, Plan, PlanMismatchError, mesh_text
+from .program import ScanLayout
 from .search import StepPlanner, plan
 from .shapes import plan_by_shapes
 from .tactics import TACTICS
@@ -68,6 +75,8 @@ __all__ = [
     "PlanMemoryError",
     "PlanMismatchError",
     "PlanOptions",
+    "Pipeline",
+    "ScanLayout",
     "StepPlanner",
     "TACTICS",
     "UnknownHardwareError",

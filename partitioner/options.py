@@ -38,6 +38,9 @@ class PlanOptions:
     # traces of its first few (`depth`); False for a step that treats layers by their index.
     batch_argnums: Sequence[int] | None = None
     shallow_trace: bool = True
+    # Pipeline the step's layer scan (`pipelines`): "auto" where predicted cheaper, "off", or a
+    # number of stages (the nearest that fits the layers and devices).
+    pipeline: str | int = "auto"
 
     @classmethod
     def of(cls, options: PlanOptions | None, fields: Mapping[str, Any]) -> PlanOptions:
@@ -58,6 +61,12 @@ class PlanOptions:
             raise PlanInputError(
                 f"slices must be a whole number of equal slices that divides the devices: got slices={s!r} for "
                 f"{devices} devices; pass a divisor of {devices} (the number of TPU slices or NVLink domains)"
+            )
+        p = self.pipeline
+        if p not in ("auto", "off") and (not isinstance(p, int) or isinstance(p, bool) or p < 2):
+            raise PlanInputError(
+                f"pipeline must be 'auto', 'off' or a number of stages of at least 2, got {p!r}; "
+                "pass pipeline='auto' to let the planner choose"
             )
         unknown = set(self.tactics or ()) - set(tactics)
         if unknown:

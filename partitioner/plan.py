@@ -17,6 +17,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cost import Cost
+from .pipeline import Pipeline
+from .program import ScanLayout
 
 FORMAT = "remesh.plan/2"  # /2: leaves keyed by slash path (`opt/0/mu/wte`), as checkpoints name them
 LEGACY_FORMATS = ("remesh.plan/1",)  # /1: keyed by jax.tree_util.keystr (`['opt'][0]['mu']['wte']`)
@@ -55,6 +57,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     tactic: str = ""  # the chosen tactic (dp, fsdp, megatron, ...; refined, exact); "" in plans made before it was kept
     slices: int = 1  # equal slices the devices form, slice-major (`bind` keeps each slice's devices together)
+    # The step's layer scan where it has one (`program` constrains its carry), and the pipeline
+    # it runs as, with a "stage" mesh axis, where the plan pipelines it.
+    layer_scan: ScanLayout | None = None
+    pipeline: Pipeline | None = None
 
     @property
     def devices_used(self) -> int:
@@ -71,7 +77,21 @@ class Plan:
             if self.devices_used != self.devices
             else f"{self.devices} devices"
         )
-        return f"mesh {axes} ({used}" + (f" in {self.slices} slices)" if self.slices > 1 else ")")
+        where = f"mesh {axes} ({used}" + (f" in {self.slices} slices)" if self.slices > 1 else ")")
+        return where + (f", {self.pipeline.describe()}" if self.pipeline else "")
+
+    def program(self, fn, required: bool = True):
+        """`fn` as this plan runs it: the layer scan's carry held to the plan's layout, the scan
+        pipelined where the plan has a pipeline (`program`). Compile this, not `fn`. `required`:
+        an error where tracing `fn` never meets the plan's layer scan (False for a step planned
+        beside it, such as an evaluation step).
+
+        Example:
+            >>> step = plan.jit(plan.program(train_step), (state, batch), jax.devices(), carry={0: 0})
+        """
+        from .program import program  # noqa: PLC0415
+
+        return program(self, fn, required)
 
     # -- binding ---------------------------------------------------------------------------
     def bind(self, devices: Sequence[jax.Device]) -> Mesh:
@@ -173,6 +193,8 @@ class Plan:
             "notes": list(self.notes),
             "tactic": self.tactic,
             "slices": self.slices,
+            "layer_scan": self.layer_scan.to_dict() if self.layer_scan else None,
+            "pipeline": self.pipeline.to_dict() if self.pipeline else None,
         }
 
     def to_json(self) -> str:
@@ -194,6 +216,8 @@ class Plan:
             notes=tuple(d["notes"]),
             tactic=d.get("tactic", ""),  # plans written before the tactic was recorded
             slices=d.get("slices", 1),  # plans written before slices were
+            layer_scan=ScanLayout.from_dict(d["layer_scan"]) if d.get("layer_scan") else None,
+            pipeline=Pipeline.from_dict(d["pipeline"]) if d.get("pipeline") else None,
         )
 
     @classmethod

@@ -20,6 +20,7 @@ cheapest is chosen; the plan's notes say which were compiled and why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from . import exact, helper
+from . import exact, helper, pipelines
 from .analysis import Inputs, read_inputs
 from .arguments import device_count
 from .candidates import Candidate, priced_each
@@ -179,7 +180,13 @@ def _search(fn, args, devices: int, options: PlanOptions, inputs: Inputs | None,
     )
     timing = f"time: {read}({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     plan = to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
-    return plan, ranked
+    inner = lambda n, slices: _search(  # noqa: E731 (one stage's devices, planned without a pipeline)
+        fn, args, n, dataclasses.replace(options, pipeline="off", slices=slices, compile_check=False), inputs, True
+    )
+    chosen = pipelines.considered(fn, args, inputs, options.pipeline, plan, devices, options.slices, hw, limit, inner)
+    if chosen.pipeline is not None:
+        chosen = dataclasses.replace(chosen, search_seconds=time.perf_counter() - t0)
+    return chosen, ranked
 
 
 def _tactic_candidates(inputs: Inputs, meshes, hw: Hardware, limit: int, tactics) -> tuple[list[Candidate], list[str]]:

@@ -1,0 +1,128 @@
+"""Pipelines: the layer scan found (or not, and why), plans with a stage axis, and the pipelined
+program computing what the step computes."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import partitioner
+from partitioner.errors import PlanInputError
+from partitioner.layerscan import find_layer_scan
+from tests.corpus import equinox_scan, llama_gqa, maxtext_scan
+
+SMALL = dict(vocab=256, embed=64, heads=4, head_dim=16, mlp=128, seq=16, batch=8)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _numerics(model: str, *shapes: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.pipeline_numerics", model, *shapes],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+SHAPES = ("2:2", "2:8", "4:4", "4:8:2")  # stages:microbatches[:repeats]
+
+
+@pytest.mark.parametrize("model", ["maxtext_scan", pytest.param("nnx_scan", marks=pytest.mark.slow),
+                                   pytest.param("linen_scan", marks=pytest.mark.slow)])  # fmt: skip
+def test_pipelined_program_computes_the_step(model):
+    rows = _numerics(model, *SHAPES)
+    assert len(rows) == len(SHAPES)
+    for row, shape in zip(rows, SHAPES):
+        stages, microbatches, *repeats = map(int, shape.split(":"))
+        p = row["pipeline"]
+        assert (p["stages"], p["microbatches"], p["repeats"]) == (stages, microbatches, repeats[0] if repeats else 1)
+        assert row["mesh"]["stage"] == stages
+        assert row["loss"] <= 1e-5 and row["state"] <= 1e-5, row
+
+
+def test_layer_scan_found_with_its_stacked_state():
+    step, args = maxtext_scan.build(layers=4, c=SMALL)
+    scan, why = find_layer_scan(step, args, (1,))
+    assert why == "" and scan.pipelinable
+    assert (scan.length, scan.batch) == (4, 8)
+    keys = {k for _, k in scan.stacked}
+    assert "params/decoder/layers/mlp/wi/kernel" in keys and "opt_state/0/mu/decoder/layers/mlp/wi/kernel" in keys
+    assert "params/token_embedder/embedding" not in keys
+
+
+def test_python_loop_and_vmapped_scan_are_not_pipelined_and_say_why():
+    step, args = llama_gqa.build(layers=2)
+    plan = partitioner.plan(step, *args, devices=8, hardware="cpu", compile_check=False)
+    assert plan.pipeline is None and any("Python loop" in n for n in plan.notes)
+    with pytest.raises(PlanInputError, match="Python loop"):
+        partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False)
+    step, args = equinox_scan.build(layers=4)
+    scan, why = find_layer_scan(step, args, (1,))
+    assert scan is None and "jax.vmap" in why
+
+
+def test_a_body_that_mixes_examples_is_not_pipelined():
+    def layer(x, w):
+        y = x @ w
+        return (y - y.mean(0)) / (y.std(0) + 1e-5), None  # batch norm: statistics over the batch
+
+    def step(state, batch):
+        def loss(p):
+            x, _ = jax.lax.scan(layer, batch["x"], p["w"])
+            return (x**2).mean()
+
+        g = jax.grad(loss)(state)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), {"loss": loss(state)}
+
+    state = {"w": jax.ShapeDtypeStruct((4, 32, 32), "float32")}
+    batch = {"x": jax.ShapeDtypeStruct((16, 32), "float32")}
+    scan, _ = find_layer_scan(step, (state, batch), (1,))
+    assert scan is not None and not scan.pipelinable and "mixes examples" in scan.why_not
+
+
+def test_pipelined_plan_has_a_stage_axis_and_round_trips():
+    step, args = maxtext_scan.build(layers=8, c=SMALL)
+    plan = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=4, compile_check=False)
+    assert plan.pipeline is not None and plan.pipeline.stages == 4 and plan.pipeline.axis == "stage"
+    assert list(plan.mesh)[0] == "stage" and plan.mesh["stage"] == 4
+    specs = plan.specs_like(args[0], argnum=0)
+    assert specs["params"]["decoder"]["layers"]["mlp"]["wi"]["kernel"][0] == "stage"
+    assert "stage" in (plan.specs_like(args[1], argnum=1)["inputs"][0] or ())
+    assert specs["params"]["token_embedder"]["embedding"] == P() or "stage" not in str(
+        specs["params"]["token_embedder"]
+    )
+    again = partitioner.Plan.from_json(plan.to_json())
+    assert again.pipeline == plan.pipeline and again.layer_scan == plan.layer_scan
+    assert any("bubble" in n for n in plan.notes) and any("without a pipeline" in n for n in plan.notes)
+
+
+def test_stage_count_that_does_not_fit_moves_to_the_nearest_and_says_so():
+    step, args = maxtext_scan.build(layers=8, c=SMALL)
+    plan = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=3, compile_check=False)
+    assert plan.pipeline.stages in (2, 4)
+    assert any("pipeline=3 does not fit" in n for n in plan.notes)
+
+
+def test_bad_pipeline_values_are_refused():
+    step, args = maxtext_scan.build(layers=8, c=SMALL)
+    for bad in (1, "yes", True):
+        with pytest.raises(PlanInputError, match="pipeline must be"):
+            partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=bad, compile_check=False)
+    with pytest.raises(PlanInputError, match="microbatches must divide"):
+        partitioner.Pipeline(2, 3).checked(8, 8)
+    with pytest.raises(PlanInputError, match="divisible by"):
+        partitioner.Pipeline(3, 2).checked(8, 8)
+
+
+def test_program_without_a_pipeline_constrains_the_carry():
+    step, args = maxtext_scan.build(layers=4, c=SMALL)
+    plan = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline="off", compile_check=False)
+    assert plan.pipeline is None and plan.layer_scan is not None
+    text = jax.jit(plan.program(step)).lower(*args).as_text()
+    assert "sharding_constraint" in text or "sdy.sharding_constraint" in text
+    assert dataclasses.replace(plan, layer_scan=None).program(step) is step
