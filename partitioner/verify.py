@@ -63,7 +63,7 @@ class Collective:
 @dataclasses.dataclass(frozen=True)
 class Verification:
     collectives: tuple[Collective, ...]
-    flops: float  # per device, XLA's cost analysis
+    flops: float  # per device: XLA's cost analysis, with a loop body's matmuls counted once per trip
     peak_bytes: int  # per device: arguments + outputs + temporaries - aliased, XLA's memory analysis
     communication_seconds: float  # the collectives found, priced with the hardware profile
     compute_seconds: float
@@ -105,6 +105,7 @@ class VerifyDevicesError(RuntimeError):
 
 
 def verify(plan: Plan, fn, *args, hardware: str | Hardware = "h100", devices=None) -> Verification:
+    """`plan` compiled as it runs (`Plan.program(fn)`) on `devices`, and what XLA made of it."""
     return verify_many([(plan, fn, args)], hardware=hardware, devices=devices)[0]
 
 
@@ -142,7 +143,7 @@ def verify_many(
         # Each compiles while the next is traced.
         lowered, futures = [], []
         for plan, fn, args in jobs:
-            lowered.append(plan.jit(fn, args, devices).lower(*args))
+            lowered.append(plan.jit(plan.program(fn, required=False), args, devices).lower(*args))
             futures.append(pool.submit(lowered[-1].compile, compiler_options=options))
         widths = [program_widths(low.as_text(dialect="hlo", debug_info=True)) for low in lowered]
         compiled = [f.result() for f in futures]
@@ -162,7 +163,7 @@ def _read(compiled, plan: Plan, hw: Hardware, devices, widths: Mapping[str, int]
         hw = hw.sliced(plan.devices, plan.slices)
     comm = sum(_seconds(c, hw, plan.mesh) * c.count for c in collectives)
     levels = _level_bytes(collectives, hw) if plan.slices > 1 else None
-    flops = analysed_flops(compiled.cost_analysis()) or 0.0
+    flops = (analysed_flops(compiled.cost_analysis()) or 0.0) + uncounted_loop_flops(compiled.as_text())
     cpu = devices[0].platform == "cpu" and plan.cost.cpu_peak_bytes_per_device is not None
     predicted_peak = plan.cost.cpu_peak_bytes_per_device if cpu else plan.cost.peak_bytes_per_device
     return Verification(collectives, flops, int(peak), comm, flops / hw.peak_flops, plan.cost, predicted_peak, levels)
@@ -376,6 +377,9 @@ def _runs_per_computation(hlo: str) -> dict[str, int]:
         elif " call(" in line or " conditional(" in line:
             for callee in re.findall(r"(?:to_apply|branch_computations=\{[^}]*)%([^\s,}]+)", line):
                 calls.setdefault(computation, []).append((callee, 1))
+        elif " fusion(" in line:  # a fusion runs its computation as often as it runs
+            for callee in re.findall(r"\bcalls=%([^\s,}]+)", line):
+                calls.setdefault(computation, []).append((callee, 1))
     runs = {entry: 1} if entry else {}
     frontier = [entry] if entry else []
     while frontier:
@@ -384,6 +388,33 @@ def _runs_per_computation(hlo: str) -> dict[str, int]:
             runs[callee] = runs.get(callee, 0) + runs[caller] * n
             frontier.append(callee)
     return runs
+
+
+# A matmul: XLA's `dot`, or on GPUs the cuBLAS custom call it becomes (its result a tuple of the
+# product and a workspace, its dimension numbers in the backend config).
+_DOT = re.compile(
+    r"^\s*(?:ROOT )?%\S+ = \(?\w+\[([\d,]*)\][^ ]* (?:dot|.*custom-call)\(%([\w.\-]+), .*?"
+    r"(?:lhs_contracting_dims=\{([\d,]*)\}|\"lhs_contracting_dimensions\":\[([\d\",]*)\])"
+)
+_SHAPE = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]")
+
+
+def uncounted_loop_flops(hlo: str) -> float:
+    """FLOPs of the matmuls in loop bodies that XLA's cost analysis leaves out: it counts a while
+    loop's body once, and a scanned model's layers run its trip count times."""
+    dims = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in map(_SHAPE.match, hlo.splitlines()) if m}
+    runs = _runs_per_computation(hlo)
+    missing = 0.0
+    for computation, line in _instruction_lines(hlo):
+        n = runs.get(computation, 1)
+        m = _DOT.match(line) if n > 1 and ("dot(" in line or "gemm" in line or "matmul" in line) else None
+        if not m:
+            continue
+        lhs = dims.get(m.group(2), [])
+        contracting = (m.group(3) if m.group(3) is not None else m.group(4) or "").replace('"', "")
+        k = math.prod(lhs[int(d)] for d in contracting.split(",") if d) if lhs else 1
+        missing += 2.0 * math.prod(int(d) for d in m.group(1).split(",") if d) * k * (n - 1)
+    return missing
 
 
 def _group_size(line: str) -> int:

@@ -240,3 +240,20 @@ def test_a_fused_chain_reads_its_inputs_when_its_kernel_runs():
     assert names[death[h]] == "add" and death[h] > names.index("mul")
     x_t = g.ops[names.index("dot_general")]
     assert not life.copy.any() and not memory._transposed_lhs(x_t)
+
+
+def test_a_scanned_models_flops_count_each_trip_of_its_loop():
+    # XLA's cost analysis counts a while loop's body once; a scanned model's layers run its trip
+    # count times, and `verify` counts their matmuls so.
+    from tests.corpus import maxtext_scan
+
+    step, args = maxtext_scan.build(
+        layers=6, c=dict(vocab=256, embed=64, heads=4, head_dim=16, mlp=128, seq=16, batch=8)
+    )
+    plan = Plan(mesh={"data": 1}, in_specs=(jax.tree.map(lambda _: P(), args[0]), jax.tree.map(lambda _: P(), args[1])),
+                out_specs=jax.tree.map(lambda _: P(), jax.eval_shape(step, *args)), cost=Cost(0, 0, {}, 0),
+                search_seconds=0.0, devices=1)  # fmt: skip
+    counted = verify(plan, step, *args, devices=jax.devices()[:1]).flops
+    once = jax.jit(step).lower(*args).compile().cost_analysis()["flops"]
+    want = capture(step, *args).flops()
+    assert abs(counted - want) / want < 0.05 and once < 0.5 * want, (counted, once, want)
