@@ -72,10 +72,17 @@ def communication(
             for f, axes in assigned.items():
                 if f in reduces:
                     for value in graph.ops[op_id].results:
-                        # A result split over the reduced axes needs only its own part of the sums.
+                        # A result split over the reduced axes needs only its own part of the sums
+                        # (a reduce-scatter over those), summed whole over the others (an
+                        # all-reduce of that part): HSDP's gradients, split over data inside a
+                        # slice and summed across slices.
                         split = {a for dim in shardings.get(value, ()) for a in dim}
-                        kind = "reduce-scatter" if split & set(axes) else "all-reduce"
-                        yield Communication(op_id, kind, value, axes, int(size[value]))
+                        parted = tuple(a for a in axes if a in split)
+                        summed = tuple(a for a in axes if a not in split)
+                        if parted:
+                            yield Communication(op_id, "reduce-scatter", value, parted, int(size[value]))
+                        if summed:
+                            yield Communication(op_id, "all-reduce", value, summed, int(size[value]))
         for value, factors in reads:
             given = shardings.get(value)
             if given is None:
