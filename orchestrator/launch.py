@@ -97,7 +97,10 @@ def job_planner(job: JobSpec, step, state, batch, layout=None):
         # No compile check here: the driver's devices are not the cluster's (one CPU device on a
         # real head node, where the check is skipped anyway), and every re-plan is on the
         # recovery path. `remesh plan` shows what the check would choose.
-        return steps.plan(devices, hardware=job.hardware, level=job.search_level, compile_check=False, slices=slices)
+        return steps.plan(
+            devices, hardware=job.hardware, level=job.search_level, compile_check=False, slices=slices,
+            pipeline=job.pipeline,
+        )  # fmt: skip
 
     return planner
 

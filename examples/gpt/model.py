@@ -183,6 +183,17 @@ def _markov_table(cfg: GPTConfig) -> np.ndarray:
 program = make_program()
 
 
+def scanned_program(settings) -> Program:
+    """The demo GPT with its layers stacked and applied by `jax.lax.scan` (as MaxText writes
+    them), which the planner can pipeline: `[options] layers = 4` (default 4), `dropout = 0.0`
+    (default: none, so that every mesh and microbatch count draws the same losses)."""
+    options = settings.options
+    cfg = GPTConfig(
+        n_layers=int(options.get("layers", 4)), dropout=float(options.get("dropout", 0.0)), scan_layers=True
+    )
+    return make_program(cfg)
+
+
 def plan_target():
     """For `remesh plan examples.gpt.model:plan_target --devices 8`: the step and abstract args."""
     from orchestrator import check_program

@@ -116,6 +116,13 @@ def _add_plan(sub) -> None:
         help="fast (default, or the job's planner level): tactics (dp, fsdp, Megatron, experts) on data x model "
         "meshes, model within a host; thorough: every (data, seq, model) mesh, then an exact ILP over every weight's split",
     )
+    plan.add_argument(
+        "--pipeline",
+        type=_pipeline_arg,
+        default=None,
+        help="auto (default, or the job's): pipeline the step's layer scan where predicted faster; off; or N stages "
+        "(the nearest count that fits the layers and devices)",
+    )
     plan.add_argument("--json", action="store_true")
     plan.add_argument(
         "--planner",
@@ -129,6 +136,14 @@ def _add_plan(sub) -> None:
         action="store_true",
         help="also compile the plan (on N fake CPU devices unless N devices exist) and show what XLA does",
     )
+
+
+def _pipeline_arg(text: str) -> str | int:
+    if text in ("auto", "off"):
+        return text
+    if text.isdigit() and int(text) >= 2:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, off or a number of stages of at least 2, got {text!r}")
 
 
 def _add_ckpt(sub) -> None:

@@ -17,7 +17,7 @@ def run(args) -> int:
     from ..job.program import importable_from_here
 
     importable_from_here()
-    fn, fargs, hardware, level, planner = _target(args)
+    fn, fargs, hardware, level, planner, pipeline = _target(args)
     if planner == "shapes" and args.slices != 1:
         raise SystemExit(
             "remesh plan: --slices needs the search planner (--planner search): plans by shapes see no slices"
@@ -25,7 +25,9 @@ def run(args) -> int:
     if planner == "shapes":
         p = partitioner.plan_by_shapes(fn, *fargs, devices=args.devices, hardware=hardware)
     else:
-        p = partitioner.plan(fn, *fargs, devices=args.devices, hardware=hardware, level=level, slices=args.slices)
+        p = partitioner.plan(
+            fn, *fargs, devices=args.devices, hardware=hardware, level=level, slices=args.slices, pipeline=pipeline
+        )
     if args.json:
         print(p.to_json())
         return 0
@@ -50,7 +52,7 @@ def run(args) -> int:
 
 
 def _target(args):
-    """(fn, args, hardware, level, planner) for `remesh plan`: from a job file, its step on its
+    """(fn, args, hardware, level, planner, pipeline) for `remesh plan`: from a job file, its step on its
     abstract state and batch, planned as the job plans it (its hardware, its planner and level) unless
     the options say otherwise; from MODULE:ATTR, what ATTR() returns, priced with --hardware (default
     h100)."""
@@ -65,7 +67,8 @@ def _target(args):
         state, batch = check_program(program, job.global_batch, job.seed)
         planner = args.planner or ("search" if job.search_level else "shapes")
         level = args.level or job.search_level or "fast"
-        return program.step, (state, batch), args.hardware or job.hardware, level, planner
+        pipeline = args.pipeline or job.pipeline
+        return program.step, (state, batch), args.hardware or job.hardware, level, planner, pipeline
     module, _, attr = args.target.partition(":")
     fn, fargs = getattr(importlib.import_module(module), attr)()
-    return fn, fargs, args.hardware or "h100", args.level or "fast", args.planner or "search"
+    return fn, fargs, args.hardware or "h100", args.level or "fast", args.planner or "search", args.pipeline or "auto"

@@ -7,6 +7,7 @@
     seed = 0                       # optional
     hardware = "cpu"               # optional: the profile plans are priced with (h100, tpu-v5p, ...)
     planner = "fast"               # optional: the search's level, "fast" or "thorough"; or "shapes" (dp/fsdp from shapes)
+    pipeline = "auto"              # optional: pipeline the layer scan where predicted faster, "off", or N stages
     priority = 0                   # optional: on a shared cluster, higher runs first and may shrink lower ones
     queue = "default"              # optional: the fleet queue whose quota of hosts the job counts against
     [hosts]
@@ -78,6 +79,9 @@ class JobSpec:
     priority: int = 0  # among jobs sharing a cluster (fleet.policy): higher first
     queue: str = "default"  # the fleet queue whose host quota the job counts against
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # "auto": the planner pipelines the step's layer scan where predicted faster; "off"; or a
+    # number of stages (re-planned at each resize to the nearest count that fits).
+    pipeline: str | int = "auto"
 
     def settings(self):
         """What a program factory is given (`program.JobSettings`)."""
@@ -165,6 +169,7 @@ def _renamed(raw: dict, source: str) -> dict:
 def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<job>") -> JobSpec:
     raw = _renamed(dict(raw), source)
     options = _options(raw.pop("options", {}), source)
+    pipeline = _pipeline(raw.pop("pipeline", "auto"), source)
     values = _check(raw, _SCHEMA, prefix="", source=source)
     hosts = HostsSpec(**values["hosts"])
     ckpt = values["checkpoint"]
@@ -182,9 +187,20 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
         hosts=hosts,
         checkpoint=CheckpointSpec(**ckpt),
         options=options,
+        pipeline=pipeline,
     )
     _check_values(job, source)
     return job
+
+
+def _pipeline(value: Any, source: str) -> str | int:
+    """The `pipeline` key: "auto", "off" or a number of stages of at least 2."""
+    if value in ("auto", "off") or (isinstance(value, int) and not isinstance(value, bool) and value >= 2):
+        return value
+    raise JobFileError(
+        f'{source}: key pipeline must be "auto", "off" or a number of stages of at least 2, got {value!r}; '
+        'write pipeline = "auto" to let the planner choose'
+    )
 
 
 def _options(raw: Any, source: str) -> dict:

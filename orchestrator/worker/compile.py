@@ -134,10 +134,13 @@ def compile_ahead(plan_json: str, program, abstract_state, abstract_batch, spec:
         _listen()
         plan = Plan.from_json(plan_json)
         devices = jax.devices()
-        step_fn = plan.jit(program.step, (abstract_state, abstract_batch), devices, carry={0: 0}, donate_argnums=(0,))
+        inputs = (abstract_state, abstract_batch)
+        step_fn = plan.jit(plan.program(program.step), inputs, devices, carry={0: 0}, donate_argnums=(0,))
         executables = {"plan": plan_key(plan_json), "step": _fresh(step_fn.lower(abstract_state, abstract_batch))}
         if program.evaluation is not None:
-            fn = plan.jit(program.evaluation.step, (abstract_state, abstract_batch), devices, replicated_outputs=True)
+            fn = plan.jit(
+                plan.program(program.evaluation.step, required=False), inputs, devices, replicated_outputs=True
+            )
             executables["evaluation"] = _fresh(fn.lower(abstract_state, abstract_batch))
         if spec.digest:
             shardings = plan.shardings(plan.bind(devices), abstract_state, argnum=0)

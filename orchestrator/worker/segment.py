@@ -134,12 +134,14 @@ def _compile_beside_restore(loaded: _Loaded, spec, lap: Laps, fault: FaultHook, 
         return restore_or_init(loaded.store, program, key, target, digest, spec.global_batch, deferred, peers)
 
     restored = restoring.submit(restore)
-    plan_jit = loaded.plan.jit
-    step_fn = plan_jit(program.step, loaded.inputs, devices, carry={0: 0}, donate_argnums=(0,))
+    plan_jit, as_planned = loaded.plan.jit, loaded.plan.program
+    step_fn = plan_jit(as_planned(program.step), loaded.inputs, devices, carry={0: 0}, donate_argnums=(0,))
     compiled = prepared.get("step", lambda: shared(step_fn.lower(*loaded.inputs)))
     evaluated = None
     if program.evaluation is not None:
-        eval_fn = plan_jit(program.evaluation.step, loaded.inputs, devices, replicated_outputs=True)
+        eval_fn = plan_jit(
+            as_planned(program.evaluation.step, required=False), loaded.inputs, devices, replicated_outputs=True
+        )
         evaluated = prepared.get("evaluation", lambda: shared(eval_fn.lower(*loaded.inputs)))
     flops = step_flops(program.step, loaded.inputs, compiled, model_flops=spec.model_flops)
     lap(Compile, loaded=list(prepared.loaded), load_failed=list(prepared.failed), **flops)

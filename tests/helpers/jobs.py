@@ -11,15 +11,18 @@ def gpt_job(
     options="",
     min_hosts: int = 2,
     priority: int = 0,
+    pipeline: str | int = "auto",
 ) -> str:
     """A job file's text: batch 24 (divides every mesh the hosts give), a checkpoint every 10 steps;
     `options`: the lines of an `[options]` table."""
+    pipeline = f'"{pipeline}"' if isinstance(pipeline, str) else pipeline
     return f"""
 name = "{name}"
 program = "{program}"
 steps = {steps}
 global_batch = 24
 priority = {priority}
+pipeline = {pipeline}
 [hosts]
 min = {min_hosts}
 max = {max_hosts}

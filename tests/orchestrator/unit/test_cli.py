@@ -53,6 +53,17 @@ def test_plan_command_on_slices_says_what_crosses_the_slow_link(capsys):
     assert "over host links:" in out
 
 
+def test_plan_command_pipelines_a_scanned_step_when_asked(capsys):
+    argv = ["plan", "tests.corpus.llama_scan:small", "--devices", "8", "--slices", "4", "--hardware", "tpu-v5e"]
+    assert main([*argv, "--pipeline", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh stage=4 x " in out and "pipeline 4 stages" in out and "without a pipeline:" in out
+    assert main([*argv, "--pipeline", "off"]) == 0
+    assert "stage" not in capsys.readouterr().out.split("\n")[0]
+    with pytest.raises(SystemExit):
+        main([*argv, "--pipeline", "1"])
+
+
 def test_plan_notes_say_in_one_line_why_devices_go_unused_however_many_there_are(capsys):
     assert main(["plan", "examples.gpt.model:plan_target", "--devices", "1024", "--hardware", "h100"]) == 0
     (reason,) = [line for line in capsys.readouterr().out.splitlines() if "note: using" in line]

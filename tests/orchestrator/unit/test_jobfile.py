@@ -100,3 +100,11 @@ def test_load_job_errors_on_missing_and_invalid_toml(tmp_path):
 def test_example_job_file_is_valid():
     job = load_job("examples/gpt/job.toml")
     assert job.global_batch % 8 == 0 and job.global_batch % 6 == 0
+
+
+def test_pipeline_key_takes_auto_off_or_a_stage_count():
+    assert parse_job(GOOD).pipeline == "auto"
+    assert parse_job(with_(pipeline="off")).pipeline == "off" and parse_job(with_(pipeline=4)).pipeline == 4
+    for bad in (1, "yes", True, 2.0):
+        with pytest.raises(JobFileError, match='key pipeline must be "auto", "off" or a number of stages'):
+            parse_job(with_(pipeline=bad))
