@@ -135,7 +135,7 @@ def guarded(fn, args, inputs: Inputs, fitting: list[Candidate], devices: int, hw
         why = f"compile check skipped: {here} device(s) in this process, the candidates use {need}"
         return best, tuple(n for n in (ruleless, weighed, why) if n)
     plans = [to_plan(inputs, c, args, devices, 0.0, [c], limit, hw) for c in contenders]
-    seconds, how = _compiled_seconds(fn, args, inputs, plans, hw)
+    seconds, how = compiled_seconds(fn, args, inputs, plans, hw)
     priced = list(zip(seconds, contenders))
     chosen = min(priced, key=lambda t: t[0])[1]
     said = ", ".join(f"{c.tactic} on {mesh_text(c.mesh)} {sec * 1e3:.3f} ms" for sec, c in priced)
@@ -179,7 +179,7 @@ def by_compiled_view(pool: list[Candidate]) -> list[Candidate]:
     return sorted(close, key=_view)
 
 
-def _compiled_seconds(fn, args, inputs: Inputs, plans: list[Plan], hw: Hardware) -> tuple[list[float], str]:
+def compiled_seconds(fn, args, inputs: Inputs, plans: list[Plan], hw: Hardware) -> tuple[list[float], str]:
     """Each plan's seconds as XLA compiles it (`verify`), all compiled at once. A deep stack of
     layers is compiled at the two depths depth planning traced, and priced along the line through
     them (what a layer adds is the same at every depth): the guard's cost does not grow with the

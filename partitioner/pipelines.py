@@ -33,6 +33,7 @@ from .analysis import Inputs
 from .candidates import Candidate
 from .cost import Cost
 from .errors import PlanInputError, PlanMemoryError
+from .guard import CLOSE, compiled_seconds
 from .hardware import Hardware, latency_steps
 from .layerscan import LayerScan, find_layer_scan
 from .pipeline import STAGE, Pipeline
@@ -80,7 +81,7 @@ def stage_counts(asked, devices: int, slices: int, layers: int, hw: Hardware) ->
     fits = [s for s in range(2, devices + 1) if devices % s == 0 and layers % s == 0]
     if asked == "auto":
         unit = slices if slices > 1 else max(devices // hw.devices_per_host, 1)
-        return [s for s in fits if unit % s == 0][-3:], ""
+        return [s for s in fits if unit % s == 0][-2:], ""  # (stages of one or two slices: the slow links)
     if not fits:
         return [], (
             f"no pipeline: pipeline={asked} asked for, but no count of 2 or more stages divides both the {layers} "
@@ -142,8 +143,9 @@ class _Parts:
     weight_comm: float  # seconds: the stacked weights' collectives
     rest_comm: float
     grad_bytes: int  # per device: the non-stacked weights' gradients (all-reduced over stages)
-    stacked_share: float  # of the state's bytes per device
-    stacked_param_bytes: int  # per device, the stacked weights as the stage holds them
+    state_bytes: int  # per device: the state as the inner plan lays it out
+    stacked_bytes: int  # per device: the stacked part of it
+    stacked_param_bytes: int  # the stacked weights whole (a stage gathers its share of them)
     carry_bytes: int  # per example, per device of the batch's split (a split sequence divides it)
     batch: int
     batch_split: int  # devices the batch dimension is split over inside a stage
@@ -177,7 +179,8 @@ class _Parts:
             weight_comm=seconds["weights"],
             rest_comm=seconds["rest"],
             grad_bytes=sum(per_device(w.value) for w in inputs.weights if not w.stacked),
-            stacked_share=stacked / max(sum(state.values()), 1),
+            state_bytes=sum(state.values()),
+            stacked_bytes=stacked,
             stacked_param_bytes=sum(g.values[w.value].nbytes for w in inputs.weights if w.stacked),
             carry_bytes=scan.carry_bytes_per_example // max(others, 1),
             batch=scan.batch,
@@ -227,9 +230,15 @@ def _cost(p: Pipeline, parts: _Parts, link, hw: Hardware) -> tuple[Cost, int]:
     sends = 2 * p.ticks * microbatch  # forward and backward, one microbatch a tick
     comm = parts.layer_activation_comm / S * stretch + weights + parts.rest_comm + grads
     comm += 2 * p.ticks * link.latency + sends / link.bandwidth
-    state = parts.peak * (1 - parts.stacked_share + parts.stacked_share / S)
-    gathered = parts.stacked_param_bytes // S if p.gather_once else 0
-    peak = int(state + gathered + (S + M) * microbatch)
+    # Memory: the state, its stacked part split by stage; a stage's weights gathered and the sum
+    # of their gradients beside them; what each tick keeps for the backward pass (each of the
+    # stage's layers' input, for one microbatch); the rest of the inner plan's activations split
+    # as the batch is, S ways more; the microbatches held and circulating.
+    state = parts.state_bytes - parts.stacked_bytes + parts.stacked_bytes / S
+    gathered = 2 * parts.stacked_param_bytes / S if p.gather_once else 0
+    kept = p.ticks * (p.layers // (S * R)) * microbatch
+    activations = max(parts.peak - parts.state_bytes, 0) / S
+    peak = int(state + gathered + kept + activations + (S + M) * microbatch)
     compute, flops = spread(parts.compute), spread(parts.flop_compute)
     return Cost(compute, comm, {"collective-permute": sends}, peak, None, flops), sends
 
@@ -295,10 +304,12 @@ def notes_for(chosen: Priced, flat: Plan, hw: Hardware) -> tuple[str, ...]:
 
 def considered(
     fn, args, inputs: Inputs, asked, flat: Plan, devices: int, slices: int, hw: Hardware, limit: int,
-    inner_search: Callable[[int, int], tuple[Plan, list[Candidate]]],
+    inner_search: Callable[[int, int], tuple[Plan, list[Candidate]]], check: bool | str = "auto",
 ) -> Plan:  # fmt: skip
     """`flat` (the best plan without a pipeline) with its layer scan recorded, or the best
-    pipelined plan where `asked` ("auto", or a stage count) calls for one."""
+    pipelined plan where `asked` ("auto", or a stage count) calls for one; where the two are
+    predicted within the guard's CLOSE of each other and `check` allows, compiled and chosen by
+    what XLA makes of them (as the guard chooses among other candidates)."""
     scan, why = layer_scan(fn, args, inputs)
     if scan is None or not scan.pipelinable:
         if asked not in ("auto", "off"):
@@ -329,13 +340,22 @@ def considered(
                 f"pipeline={asked}: no pipeline of {counts[0]} stages fits {limit / 2**30:.2f} GiB per device"
             )
         return flat
-    if asked == "auto" and chosen.cost.total_seconds >= flat.cost.total_seconds:
-        return _noted(flat, (
-            f"no pipeline: the best ({chosen.pipeline.describe()}) is predicted {chosen.cost.total_seconds * 1e3:.4g} ms, "
-            f"{chosen.cost.total_seconds / flat.cost.total_seconds:.2f}x this plan"))  # fmt: skip
     timing = tuple(n for n in flat.notes if n.startswith("time:"))
     notes = notes_for(chosen, flat, hw) + ((moved,) if moved else ()) + timing
-    return composed(chosen.inner, chosen, scan, args, inputs.batch_argnums, devices, slices, notes)
+    piped = composed(chosen.inner, chosen, scan, args, inputs.batch_argnums, devices, slices, notes)
+    if asked != "auto":
+        return piped
+    ratio = chosen.cost.total_seconds / flat.cost.total_seconds
+    if check is not False and 1 / CLOSE <= ratio <= CLOSE and len(jax.devices()) >= devices:
+        # Not told apart by the model: each compiled as it runs, and XLA's figures decide.
+        (mine, theirs), _ = compiled_seconds(fn, args, inputs, [piped, flat], hw)
+        said = f"compiled both: the pipeline {mine * 1e3:.4g} ms, without {theirs * 1e3:.4g} ms"
+        return _noted(piped, said) if mine < theirs else _noted(flat, f"no pipeline: {said}")
+    if ratio >= 1:
+        return _noted(flat, (
+            f"no pipeline: the best ({chosen.pipeline.describe()}) is predicted {chosen.cost.total_seconds * 1e3:.4g} ms, "
+            f"{ratio:.2f}x this plan"))  # fmt: skip
+    return piped
 
 
 def _noted(plan: Plan, note: str) -> Plan:

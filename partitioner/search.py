@@ -180,10 +180,16 @@ def _search(fn, args, devices: int, options: PlanOptions, inputs: Inputs | None,
     )
     timing = f"time: {read}({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     plan = to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
-    inner = lambda n, slices: _search(  # noqa: E731 (one stage's devices, planned without a pipeline)
-        fn, args, n, dataclasses.replace(options, pipeline="off", slices=slices, compile_check=False), inputs, True
+    # One stage's devices, planned without a pipeline, and without the refinement and the exact
+    # solver: a stage's plan is priced for each stage count, and its base tactics decide it.
+    within = tuple(t for t in (tactics or TACTICS) if t not in ("refined", "exact"))
+    inner = lambda n, slices: _search(  # noqa: E731
+        fn, args, n, dataclasses.replace(options, pipeline="off", slices=slices, compile_check=False, tactics=within),
+        inputs, True,
+    )  # fmt: skip
+    chosen = pipelines.considered(
+        fn, args, inputs, options.pipeline, plan, devices, options.slices, hw, limit, inner, compile_check
     )
-    chosen = pipelines.considered(fn, args, inputs, options.pipeline, plan, devices, options.slices, hw, limit, inner)
     if chosen.pipeline is not None:
         chosen = dataclasses.replace(chosen, search_seconds=time.perf_counter() - t0)
     return chosen, ranked
