@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers.jobs import gpt_job
 from tests.helpers.paths import ROOT
+from tests.helpers.recovery import kinds
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +57,16 @@ def test_losses_are_the_static_runs(elastic, static):
     got, want = np.array(elastic["losses"], float), np.array(static["losses"], float)
     assert len(got) == len(want) == 50 and not np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_each_stage_count_restores_the_stacks_bitwise(elastic):
+    # 4 stages onto 2 (a host lost), 2 onto 4 (a host back): each restore is of the logical
+    # [layers, ...] arrays, checked against the digest saved with the step, or piece by piece
+    # (crc32) from a peer snapshot.
+    restores = kinds(elastic, "restore")
+    assert len(restores) == 2, restores
+    for e in restores:
+        if e["source"] == "disk":
+            assert e["saved_digest"] and e["digest"] == e["saved_digest"], e
+        else:
+            assert e["source"] == "memory" and e["bytes_needed"] > 0, e
