@@ -62,6 +62,8 @@ def program(plan, fn, required: bool = True):
     scan_layout, pipe = plan.layer_scan, plan.pipeline
     if scan_layout is None:
         return fn
+    if pipe is not None:
+        pipe = pipe.checked(scan_layout.layers, scan_layout.batch)  # (a plan read from JSON, edited)
     mesh = abstract_mesh(plan.mesh)
 
     @functools.wraps(fn)

@@ -126,3 +126,11 @@ def test_program_without_a_pipeline_constrains_the_carry():
     text = jax.jit(plan.program(step)).lower(*args).as_text()
     assert "sharding_constraint" in text or "sdy.sharding_constraint" in text
     assert dataclasses.replace(plan, layer_scan=None).program(step) is step
+
+
+def test_a_pipeline_that_does_not_divide_is_refused_when_the_program_is_made():
+    step, args = maxtext_scan.build(layers=8, c=SMALL)
+    plan = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False)
+    bad = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, microbatches=3))
+    with pytest.raises(PlanInputError, match="3 microbatches must divide the batch of 8"):
+        partitioner.Plan.from_json(bad.to_json()).program(step)
