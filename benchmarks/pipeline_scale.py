@@ -1,0 +1,160 @@
+"""Plans at the scale remesh is for: a Llama-7B-shaped step on 4 slices of 8 fake devices, the fast
+plan (pipelines searched) against hand-written plans, each compiled as it runs (`Plan.program`)
+and priced from the optimized HLO: every loop body's matmuls and collectives once per trip, each
+collective on the link level its replica groups cross (`partitioner.verify`).
+
+    .venv/bin/python benchmarks/pipeline_scale.py [--profiles tpu-v5e h100] [--models llama_scan llama_maxtext]
+    .venv/bin/python benchmarks/pipeline_scale.py --plantime     # pipelines searched against "off"
+
+Experts, on 32 devices in 4 slices:
+    fsdp, inputs only       FSDP over all 32 devices, only the step's inputs sharded (XLA decides the rest)
+    hsdp, inputs only       data parallel across slices, FSDP inside (replica=4 x data=8)
+    hsdp, constrained       the same with the layer scan's activations constrained as MaxText does
+    gpipe                   one stage per slice (stage=4 x data=8), FSDP inside, 4 microbatches,
+                            each stage's weights gathered once per step
+    hsdp x megatron+fsdp    replica=4 x data=4 x model=2, constrained (its tensor-parallel rule)
+
+Peak memory: the planner's prediction is for the accelerator's layout (bfloat16 as bfloat16); the
+compile here is XLA:CPU's, which widens bfloat16 to float32 and lays buffers out its own way, so
+its peaks compare between plans, not with the prediction.
+
+`llama_scan` applies its layers with `jax.lax.scan`; `llama_maxtext` in a Python loop (remat on each
+layer, as MaxText's `remat_policy="full"`), for which the constrained and pipelined experts do not
+exist (no scan to constrain or to pipeline) and its hsdp x megatron+fsdp is its inputs' shardings.
+
+The profiles' batches: tpu-v5e 32 sequences of 2,048 tokens, h100 32 of 8,192 (as issue 42 says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import time
+
+from _harness import fake_devices
+
+SEQ = {"tpu-v5e": 2048, "h100": 8192}
+LAYERS = 32
+
+
+def experts(module, fn, args, scanned: bool):
+    from jax.sharding import PartitionSpec as P
+
+    from partitioner import Pipeline, ScanLayout
+    from tests.corpus.common import Expert, expert_plan
+
+    batch = args[1]["inputs"].shape[0]
+    none = lambda path, shape: None  # noqa: E731
+    stacked = lambda path, shape: ("stage",) + (None,) * (len(shape) - 1) if "/layers/" in path else None  # noqa: E731
+    tp = lambda path, shape: module.tensor_parallel(path, shape) if "/layers/" in path else None  # noqa: E731
+    made = {
+        "fsdp, inputs only": (Expert("fsdp", {"data": 32}, none, fsdp=True), None, None),
+        "hsdp, inputs only": (Expert("hsdp", {"replica": 4, "data": 8}, none, fsdp=True), None, None),
+        "hsdp, constrained": (Expert("hsdp", {"replica": 4, "data": 8}, none, fsdp=True), ("replica", "data"), None),
+        "hsdp x megatron+fsdp": (
+            Expert("tp", {"replica": 4, "data": 4, "model": 2}, tp, fsdp=True), ("replica", "data"), None,
+        ),
+        "gpipe": (Expert("gpipe", {"stage": 4, "data": 8}, stacked, fsdp=True), ("data",),
+                  Pipeline(4, 4, layers=LAYERS, gather_once=True)),
+    }  # fmt: skip
+    if not scanned:  # a Python loop of layers: no scan to constrain or pipeline by hand either
+        made = {k: (e, None, None) for k, (e, carry, pipe) in made.items() if carry is None or k.startswith("hsdp x")}
+    out = {}
+    for name, (expert, carry, pipe) in made.items():
+        plan = expert_plan(expert, fn, args, slices=4)
+        if pipe is not None:  # the batch split over stages too, outside the pipeline
+            plan = dataclasses.replace(plan, in_specs=(plan.in_specs[0], {k: P(("stage", "data")) for k in args[1]}))
+        layout = ScanLayout(LAYERS, batch, (carry,), (1,)) if carry else None
+        out[name] = dataclasses.replace(plan, devices=32, layer_scan=layout, pipeline=pipe)
+    return out
+
+
+def one(model: str, hardware: str) -> list[str]:
+    from partitioner import plan, verify_many
+    from partitioner.layerscan import find_layer_scan
+
+    module = importlib.import_module(f"tests.corpus.{model}")
+    c = dict(module.SEVEN_B, seq=SEQ[hardware])
+    remat = {"remat": True} if "remat" in module.build.__code__.co_varnames else {}  # (MaxText's remat_policy="full")
+    fn, args = module.build(layers=LAYERS, c=c, **remat)
+    scanned = find_layer_scan(fn, args, (1,))[0] is not None
+    t = time.perf_counter()
+    mine = plan(fn, *args, devices=32, slices=4, hardware=hardware, compile_check=False)
+    seconds = time.perf_counter() - t
+    hand = experts(module, fn, args, scanned)
+    found = verify_many([(p, fn, args) for p in [mine, *hand.values()]], hardware=hardware, threads=1)
+    price = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
+    best_name, best = min(zip(hand, found[1:]), key=lambda x: price(x[1]))
+    v = found[0]
+    rows = [
+        f"| {model} | {hardware} | {mine.tactic} {mine.describe()} | {seconds:.2f} | "
+        f"{mine.cost.compiled_view_seconds:.3f} | {price(v):.3f} | {price(v) / price(best):.2f} | "
+        f"{best_name} {price(best):.3f} | {_levels(v)} | {f'{mine.pipeline.bubble:.0%}' if mine.pipeline else '-'} | "
+        f"{mine.cost.peak_bytes_per_device / 2**30:.1f} / {v.peak_bytes / 2**30:.1f} |"
+    ]
+    rows += [f"|  | | {name} | | | {price(x):.3f} | {price(x) / price(best):.2f} | | {_levels(x)} | "
+             f"{f'{hand[name].pipeline.bubble:.0%}' if hand[name].pipeline else '-'} | - / {x.peak_bytes / 2**30:.1f} |"
+             for name, x in zip(hand, found[1:])]  # fmt: skip
+    return rows
+
+
+def _levels(v) -> str:
+    return ", ".join(f"{k} {b / 1e9:.2f}" for k, b in sorted((v.level_bytes or {}).items()))
+
+
+PLANTIME = ((1024, 16, 1024), (65536, 64, 16384))  # devices, slices, batch
+
+
+def plantime(rounds: int = 5) -> None:
+    """`plan(...)` of the 96-layer scanned Llama-7B-shaped step on tpu-v5p, pipelines searched
+    ("auto") and not ("off"), alternating which goes first, the step captured afresh each call:
+    medians of `rounds`."""
+    import statistics
+
+    from partitioner import plan
+    from tests.corpus import llama_scan
+
+    print("| devices | slices | off s (median) | auto s (median) | auto / off | auto's plan |")
+    print("|---|---|---|---|---|---|")
+    for devices, slices, batch in PLANTIME:
+        fn, args = llama_scan.build(layers=96, c=dict(llama_scan.SEVEN_B, batch=batch))
+        times, chosen = {"off": [], "auto": []}, None
+        for r in range(rounds):
+            for pipe in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
+                t = time.perf_counter()
+                p = plan(
+                    fn, *args, devices=devices, slices=slices, hardware="tpu-v5p", compile_check=False, pipeline=pipe
+                )
+                times[pipe].append(time.perf_counter() - t)
+                chosen = p if pipe == "auto" else chosen
+        off, auto = statistics.median(times["off"]), statistics.median(times["auto"])
+        print(
+            f"| {devices} | {slices} | {off:.2f} | {auto:.2f} | {auto / off:.2f} | {chosen.tactic} {chosen.describe()} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profiles", nargs="*", default=["tpu-v5e", "h100"])
+    ap.add_argument("--models", nargs="*", default=["llama_scan"])
+    ap.add_argument("--plantime", action="store_true", help="plan time with pipelines searched against off")
+    a = ap.parse_args()
+    if a.plantime:
+        plantime()
+        return
+    print(
+        "| model | profile | plan | plan s | predicted s (FLOPs + collectives) | compiled s | x best expert | "
+        "best expert, compiled s | GB per device by level (compiled) | bubble | peak GiB predicted / CPU compile |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in a.models:
+        for hardware in a.profiles:
+            print("\n".join(one(model, hardware)), flush=True)
+
+
+if __name__ == "__main__":
+    fake_devices(32)
+    sys.path.insert(0, __import__("_harness").ROOT)
+    main()
