@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.custom_batching import custom_vmap
 from jax.extend import core as jcore
 
 _SWAP = threading.RLock()
@@ -64,6 +65,7 @@ class LayerScan:
     carry_bytes_per_example: int
     per_example: bool
     why_not: str = ""  # "" where it can be pipelined
+    vmapped: bool = False  # the scan runs per example under jax.vmap (an Equinox model's way)
 
     @property
     def pipelinable(self) -> bool:
@@ -91,23 +93,64 @@ def find_layer_scan(fn, args: Sequence, batch_argnums: Sequence[int]) -> tuple[L
 
     def record(inner, f, init, xs, length, **kwargs):
         # Read while tracing: the body may close over this trace's values.
-        found.extend(filter(None, [_as_layer_scan((f, init, xs, length, kwargs), batch, state_shapes)]))
-        over_stacked.extend(x for x in jax.tree.leaves(xs) if _stacked_shape(x) in state_shapes)
-        return inner(f, init, xs, length, **kwargs)
+        direct = _as_layer_scan((f, init, xs, length, kwargs), batch, state_shapes)
+        found.extend([direct] if direct else [])
+        stacked = [x for x in jax.tree.leaves(xs) if _stacked_shape(x) in state_shapes]
+        over_stacked.extend(stacked)
+        if direct or not stacked or kwargs.get("reverse"):
+            return inner(f, init, xs, length, **kwargs)
+
+        def batched(fb, init_b):  # the same scan seen from outside a jax.vmap over the batch
+            seen = _as_layer_scan((fb, init_b, xs, length, kwargs), batch, state_shapes)
+            found.extend([dataclasses.replace(seen, vmapped=True)] if seen else [])
+
+        return under_vmap(inner, f, init, xs, length, kwargs, batched)
 
     with scans_replaced(record):
         jax.eval_shape(lambda *a: fn(*a), *args)  # (a new function: JAX keeps traces of one it has seen)
     if not found:
         if over_stacked:
-            return None, (
-                "no pipeline: the scan over the stacked weights does not carry the batch's activations (a scan "
-                "under jax.vmap sees one example at a time); apply the layers to the whole batch to pipeline them"
-            )
+            return None, "no pipeline: the scan over the stacked weights does not carry the batch's activations"
         return None, (
             "no pipeline: the step applies no layer scan (layers in a Python loop, or no scan over stacked "
             "weights); write the layers as jax.lax.scan over weights stacked [layers, ...] to pipeline them"
         )
     return max(found, key=lambda s: (s.length, len(s.stacked))), ""
+
+
+def under_vmap(scan, f, init, xs, length, kwargs, batched: Callable):
+    """`scan(f, init, xs)`, which, where a jax.vmap maps its carry and not its weights, calls
+    `batched(fb, init)` (`fb`: the body over a batch of carries, `init` the batch, leading) and
+    returns what that returns (`custom_vmap`). A scan applied per example under jax.vmap (an
+    Equinox model's) shows its batch only there."""
+
+    @custom_vmap
+    def whole(init, xs):
+        return scan(f, init, xs, length, **kwargs)
+
+    @whole.def_vmap
+    def rule(axis_size, in_batched, init_b, xs_b):
+        carry_in, xs_in = in_batched
+        fb = batched_body(f)
+        if all(jax.tree.leaves(carry_in)) and not any(jax.tree.leaves(xs_in)):
+            out = batched(fb, init_b)
+            if out is not None:
+                return out, jax.tree.map(lambda _: True, out)
+        out = jax.vmap(lambda c, x: scan(f, c, x, length, **kwargs), in_axes=(_axes(carry_in), _axes(xs_in)))(
+            init_b, xs_b
+        )
+        return out, jax.tree.map(lambda _: True, out)
+
+    return whole(init, xs)
+
+
+def batched_body(f):
+    """A per-example scan body over a batch of carries (the layer's weights shared)."""
+    return lambda c, x: jax.vmap(lambda ci: f(ci, x))(c)
+
+
+def _axes(flags):
+    return jax.tree.map(lambda b: 0 if b else None, flags)
 
 
 def _state_shapes(args, batch_argnums) -> dict[tuple, list[tuple[int, str]]]:

@@ -62,7 +62,7 @@ def scan_layout(plan: Plan, scan: LayerScan, batch_argnums) -> ScanLayout:
     first = jax.tree.leaves(plan.in_specs[batch_argnums[0]], is_leaf=lambda s: isinstance(s, P))
     entries = tuple(first[0]) if first else ()
     carry = tuple(_drop(e, STAGE) for e in entries)
-    return ScanLayout(scan.length, scan.batch, carry, tuple(batch_argnums))
+    return ScanLayout(scan.length, scan.batch, carry, tuple(batch_argnums), scan.vmapped)
 
 
 def _drop(entry, axis: str):
@@ -257,9 +257,7 @@ def composed(inner: Plan, chosen: Priced, scan: LayerScan, args, batch_argnums, 
     out_specs = _staged(outs, {k for k in outs if k.split("/", 1)[-1] in _keys_of(stacked, k.split("/", 1)[0])}, False)
     p = chosen.pipeline
     mesh = {STAGE: p.stages, **inner.mesh}
-    layout = ScanLayout(
-        scan.length, scan.batch, inner.layer_scan.carry if inner.layer_scan else (), tuple(batch_argnums)
-    )
+    layout = scan_layout(inner, scan, batch_argnums)
     return Plan(mesh, in_specs, out_specs, chosen.cost, 0.0, devices, notes, f"pipeline+{inner.tactic}", slices,
                 layout, p)  # fmt: skip
 

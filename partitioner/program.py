@@ -14,8 +14,9 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 
-from .layerscan import scans_replaced
+from .layerscan import scans_replaced, under_vmap
 from .pipeline import Layout, abstract_mesh, pipelined
 
 
@@ -29,6 +30,7 @@ class ScanLayout:
     batch: int
     carry: tuple = ()
     batch_argnums: tuple[int, ...] = (1,)
+    vmapped: bool = False  # applied per example under jax.vmap: its batch shows outside the vmap
 
     def to_dict(self) -> dict:
         return {
@@ -36,24 +38,25 @@ class ScanLayout:
             "batch": self.batch,
             "carry": [list(e) if isinstance(e, tuple) else e for e in self.carry],
             "batch_argnums": list(self.batch_argnums),
+            "vmapped": self.vmapped,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ScanLayout:
         carry = tuple(tuple(e) if isinstance(e, list) else e for e in d["carry"])
-        return cls(d["layers"], d["batch"], carry, tuple(d["batch_argnums"]))
+        return cls(d["layers"], d["batch"], carry, tuple(d["batch_argnums"]), d.get("vmapped", False))
 
     def matches(self, init, xs, length, kwargs) -> bool:
-        """Whether a `jax.lax.scan(f, init, xs, length)` call is this layer scan."""
+        """Whether a `jax.lax.scan(f, init, xs, length)` call is this layer scan (one under
+        jax.vmap shows its batch only to `under_vmap`'s rule: `leads`)."""
         xs_leaves = [x for x in jax.tree.leaves(xs) if getattr(x, "ndim", 0)]
         n = length if length is not None else (xs_leaves[0].shape[0] if xs_leaves else None)
         carry = jax.tree.leaves(init)
-        return (
-            n == self.layers
-            and not kwargs.get("reverse")
-            and bool(carry)
-            and all(getattr(c, "ndim", 0) and c.shape[0] == self.batch for c in carry)
-        )
+        return n == self.layers and not kwargs.get("reverse") and bool(carry) and (self.vmapped or self.leads(init))
+
+    def leads(self, init) -> bool:
+        """Whether every leaf of `init` leads with the batch."""
+        return all(getattr(c, "ndim", 0) and c.shape[0] == self.batch for c in jax.tree.leaves(init))
 
 
 def program(plan, fn, required: bool = True):
@@ -71,13 +74,25 @@ def program(plan, fn, required: bool = True):
         layout = Layout(mesh, scan_layout.carry, _weight_specs(plan, args, scan_layout), _axes(scan_layout.carry))
         taken: list[bool] = []
 
-        def handler(inner, f, init, xs, length, **kwargs):
-            if taken or not scan_layout.matches(init, xs, length, kwargs):
-                return inner(f, init, xs, length, **kwargs)
+        def planned(inner, f, init, xs, length, kwargs):
             taken.append(True)
             if pipe is not None:
                 return pipelined(inner, f, init, xs, pipe, layout)
             return _constrained(inner, f, init, xs, length, layout, **kwargs)
+
+        def handler(inner, f, init, xs, length, **kwargs):
+            if taken or not scan_layout.matches(init, xs, length, kwargs):
+                return inner(f, init, xs, length, **kwargs)
+            if not scan_layout.vmapped:
+                return planned(inner, f, init, xs, length, kwargs)
+
+            def batched(fb, init_b):  # the batch, seen from outside the jax.vmap
+                if taken or not scan_layout.leads(init_b):
+                    return None
+                carry, ys = planned(inner, fb, init_b, xs, length, kwargs)
+                return carry, jax.tree.map(lambda a: _per_example(a, scan_layout.batch, pipe is not None), ys)
+
+            return under_vmap(inner, f, init, xs, length, kwargs, batched)
 
         with scans_replaced(handler):
             out = fn(*args)
@@ -100,6 +115,16 @@ def _constrained(scan, f, init, xs, length, layout: Layout, **kwargs):
         return layout.put(c, ()), y
 
     return scan(body, layout.put(init, ()), xs, length, **kwargs)
+
+
+def _per_example(ys, batch: int, pipelined: bool):
+    """A vmapped scan's per-layer outputs, `[layers, examples, ...]`, as the vmap hands them out
+    (`[batch, layers, ...]`). A pipeline made them from one microbatch: they are free of the
+    carry (`layerscan`), the same for every example."""
+    if pipelined:
+        one = ys[:, 0]
+        return jnp.broadcast_to(one[None], (batch, *one.shape))
+    return jnp.moveaxis(ys, 1, 0)
 
 
 def _weight_specs(plan, args: Sequence, scan_layout: ScanLayout) -> dict[tuple, tuple]:

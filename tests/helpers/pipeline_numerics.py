@@ -29,6 +29,7 @@ SMALL = {
     "maxtext_scan": dict(vocab=256, embed=64, heads=4, head_dim=16, mlp=128, seq=16, batch=8),
     "nnx_scan": dict(vocab=256, embed=64, heads=4, kv_heads=2, head_dim=16, mlp=128, seq=16, batch=8),
     "linen_scan": dict(vocab=256, d=64, heads=4, ff=128, seq=16, batch=8),
+    "equinox_scan": dict(vocab=256, embed=64, heads=4, kv_heads=2, head_dim=16, mlp=128, seq=16, batch=8),
 }
 LAYERS = 8
 

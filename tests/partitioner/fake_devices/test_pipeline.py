@@ -32,7 +32,7 @@ def _numerics(model: str, *shapes: str) -> list[dict]:
 SHAPES = ("2:2", "2:8", "4:4", "4:8:2")  # stages:microbatches[:repeats]
 
 
-@pytest.mark.parametrize("model", ["maxtext_scan", pytest.param("nnx_scan", marks=pytest.mark.slow),
+@pytest.mark.parametrize("model", ["maxtext_scan", "equinox_scan", pytest.param("nnx_scan", marks=pytest.mark.slow),
                                    pytest.param("linen_scan", marks=pytest.mark.slow)])  # fmt: skip
 def test_pipelined_program_computes_the_step(model):
     rows = _numerics(model, *SHAPES)
@@ -55,15 +55,20 @@ def test_layer_scan_found_with_its_stacked_state():
     assert "params/token_embedder/embedding" not in keys
 
 
-def test_python_loop_and_vmapped_scan_are_not_pipelined_and_say_why():
+def test_a_python_loop_of_layers_is_not_pipelined_and_says_why():
     step, args = llama_gqa.build(layers=2)
     plan = partitioner.plan(step, *args, devices=8, hardware="cpu", compile_check=False)
     assert plan.pipeline is None and any("Python loop" in n for n in plan.notes)
     with pytest.raises(PlanInputError, match="Python loop"):
         partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False)
+
+
+def test_a_scan_applied_per_example_under_vmap_is_found_with_its_batch():
+    # An Equinox model applies its scan to one sequence, and the step vmaps the model over the
+    # batch: the batch shows outside the vmap, where the scan is pipelined.
     step, args = equinox_scan.build(layers=4)
     scan, why = find_layer_scan(step, args, (1,))
-    assert scan is None and "jax.vmap" in why
+    assert why == "" and scan.vmapped and scan.pipelinable and (scan.length, scan.batch) == (4, 8)
 
 
 def test_a_body_that_mixes_examples_is_not_pipelined():
