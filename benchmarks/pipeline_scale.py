@@ -3,7 +3,7 @@ plan (pipelines searched) against hand-written plans, each compiled as it runs (
 and priced from the optimized HLO: every loop body's matmuls and collectives once per trip, each
 collective on the link level its replica groups cross (`partitioner.verify`).
 
-    .venv/bin/python benchmarks/pipeline_scale.py [--profiles tpu-v5e h100] [--models llama_scan llama_maxtext]
+    .venv/bin/python benchmarks/pipeline_scale.py [--profiles tpu-v5e h100] [--models llama_scan llama_maxtext] [--sizes 7b 13b]
     .venv/bin/python benchmarks/pipeline_scale.py --plantime     # pipelines searched against "off"
 
 Experts, on 32 devices in 4 slices:
@@ -36,10 +36,10 @@ import time
 from _harness import fake_devices
 
 SEQ = {"tpu-v5e": 2048, "h100": 8192}
-LAYERS = 32
+SIZES = {"7b": ("SEVEN_B", 32), "13b": ("THIRTEEN_B", 40)}  # the model's shape, and its layers
 
 
-def experts(module, fn, args, scanned: bool):
+def experts(module, fn, args, scanned: bool, layers: int):
     from jax.sharding import PartitionSpec as P
 
     from partitioner import Pipeline, ScanLayout
@@ -57,7 +57,7 @@ def experts(module, fn, args, scanned: bool):
             Expert("tp", {"replica": 4, "data": 4, "model": 2}, tp, fsdp=True), ("replica", "data"), None,
         ),
         "gpipe": (Expert("gpipe", {"stage": 4, "data": 8}, stacked, fsdp=True), ("data",),
-                  Pipeline(4, 4, layers=LAYERS, gather_once=True)),
+                  Pipeline(4, 4, layers=layers, gather_once=True)),
     }  # fmt: skip
     if not scanned:  # a Python loop of layers: no scan to constrain or pipeline by hand either
         made = {k: (e, None, None) for k, (e, carry, pipe) in made.items() if carry is None or k.startswith("hsdp x")}
@@ -66,30 +66,31 @@ def experts(module, fn, args, scanned: bool):
         plan = expert_plan(expert, fn, args, slices=4)
         if pipe is not None:  # the batch split over stages too, outside the pipeline
             plan = dataclasses.replace(plan, in_specs=(plan.in_specs[0], {k: P(("stage", "data")) for k in args[1]}))
-        layout = ScanLayout(LAYERS, batch, (carry,), (1,)) if carry else None
+        layout = ScanLayout(layers, batch, (carry,), (1,)) if carry else None
         out[name] = dataclasses.replace(plan, devices=32, layer_scan=layout, pipeline=pipe)
     return out
 
 
-def one(model: str, hardware: str) -> list[str]:
+def one(model: str, hardware: str, size: str = "7b") -> list[str]:
     from partitioner import plan, verify_many
     from partitioner.layerscan import find_layer_scan
 
     module = importlib.import_module(f"tests.corpus.{model}")
-    c = dict(module.SEVEN_B, seq=SEQ[hardware])
+    shape, layers = SIZES[size]
+    c = dict(getattr(module, shape), seq=SEQ[hardware])
     remat = {"remat": True} if "remat" in module.build.__code__.co_varnames else {}  # (MaxText's remat_policy="full")
-    fn, args = module.build(layers=LAYERS, c=c, **remat)
+    fn, args = module.build(layers=layers, c=c, **remat)
     scanned = find_layer_scan(fn, args, (1,))[0] is not None
     t = time.perf_counter()
     mine = plan(fn, *args, devices=32, slices=4, hardware=hardware, compile_check=False)
     seconds = time.perf_counter() - t
-    hand = experts(module, fn, args, scanned)
+    hand = experts(module, fn, args, scanned, layers)
     found = verify_many([(p, fn, args) for p in [mine, *hand.values()]], hardware=hardware, threads=1)
     price = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
     best_name, best = min(zip(hand, found[1:]), key=lambda x: price(x[1]))
     v = found[0]
     rows = [
-        f"| {model} | {hardware} | {mine.tactic} {mine.describe()} | {seconds:.2f} | "
+        f"| {model} {size} | {hardware} | {mine.tactic} {mine.describe()} | {seconds:.2f} | "
         f"{mine.cost.compiled_view_seconds:.3f} | {price(v):.3f} | {price(v) / price(best):.2f} | "
         f"{best_name} {price(best):.3f} | {_levels(v)} | {f'{mine.pipeline.bubble:.0%}' if mine.pipeline else '-'} | "
         f"{mine.cost.peak_bytes_per_device / 2**30:.1f} / {v.peak_bytes / 2**30:.1f} |"
@@ -139,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", nargs="*", default=["tpu-v5e", "h100"])
     ap.add_argument("--models", nargs="*", default=["llama_scan"])
+    ap.add_argument("--sizes", nargs="*", default=["7b"], choices=sorted(SIZES))
     ap.add_argument("--plantime", action="store_true", help="plan time with pipelines searched against off")
     a = ap.parse_args()
     if a.plantime:
@@ -150,8 +152,9 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models:
-        for hardware in a.profiles:
-            print("\n".join(one(model, hardware)), flush=True)
+        for size in a.sizes:
+            for hardware in a.profiles:
+                print("\n".join(one(model, hardware, size)), flush=True)
 
 
 if __name__ == "__main__":

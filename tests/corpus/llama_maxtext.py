@@ -15,6 +15,7 @@ from tests.corpus import common
 
 CFG = dict(vocab=32000, embed=1024, heads=16, kv_heads=4, head_dim=64, mlp=4096, seq=1024, batch=8)
 SEVEN_B = dict(vocab=32000, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=11008, seq=2048, batch=32)
+THIRTEEN_B = dict(vocab=32000, embed=5120, heads=40, kv_heads=8, head_dim=128, mlp=13824, seq=2048, batch=32)
 
 
 def init_params(key, layers, c=CFG):
