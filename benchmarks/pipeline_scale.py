@@ -22,6 +22,10 @@ its peaks compare between plans, not with the prediction.
 layer, as MaxText's `remat_policy="full"`), for which the constrained and pipelined experts do not
 exist (no scan to constrain or to pipeline) and its hsdp x megatron+fsdp is its inputs' shardings.
 
+An expert's predicted peak is the planner's memory model's (its leaves annotated on the step's
+graph and priced as a candidate is): "x best expert predicted to fit" leaves out those over the
+profile's memory, which a compile on CPU cannot tell.
+
 The profiles' batches: tpu-v5e 32 sequences of 2,048 tokens, h100 32 of 8,192 (as issue 42 says).
 """
 
@@ -73,6 +77,8 @@ def experts(module, fn, args, scanned: bool, layers: int):
 
 def one(model: str, hardware: str, size: str = "7b") -> list[str]:
     from partitioner import plan, verify_many
+    from partitioner.analysis import read_inputs
+    from partitioner.hardware import profile
     from partitioner.layerscan import find_layer_scan
 
     module = importlib.import_module(f"tests.corpus.{model}")
@@ -85,20 +91,57 @@ def one(model: str, hardware: str, size: str = "7b") -> list[str]:
     mine = plan(fn, *args, devices=32, slices=4, hardware=hardware, compile_check=False)
     seconds = time.perf_counter() - t
     hand = experts(module, fn, args, scanned, layers)
+    inputs = read_inputs(fn, args, None)
+    peaks = {name: predicted_peak(p, fn, args, hardware, inputs) for name, p in hand.items()}
     found = verify_many([(p, fn, args) for p in [mine, *hand.values()]], hardware=hardware, threads=1)
     price = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
     best_name, best = min(zip(hand, found[1:]), key=lambda x: price(x[1]))
+    limit = profile(hardware).memory_bytes
+    fits = [(n, x) for n, x in zip(hand, found[1:]) if peaks[n] is None or peaks[n] <= limit]
+    fit_name, fit_best = min(fits, key=lambda x: price(x[1]))
     v = found[0]
     rows = [
         f"| {model} {size} | {hardware} | {mine.tactic} {mine.describe()} | {seconds:.2f} | "
         f"{mine.cost.compiled_view_seconds:.3f} | {price(v):.3f} | {price(v) / price(best):.2f} | "
-        f"{best_name} {price(best):.3f} | {_levels(v)} | {f'{mine.pipeline.bubble:.0%}' if mine.pipeline else '-'} | "
+        f"{best_name} {price(best):.3f} | {price(v) / price(fit_best):.2f} ({fit_name}) | {_levels(v)} | "
+        f"{f'{mine.pipeline.bubble:.0%}' if mine.pipeline else '-'} | "
         f"{mine.cost.peak_bytes_per_device / 2**30:.1f} / {v.peak_bytes / 2**30:.1f} |"
     ]
-    rows += [f"|  | | {name} | | | {price(x):.3f} | {price(x) / price(best):.2f} | | {_levels(x)} | "
-             f"{f'{hand[name].pipeline.bubble:.0%}' if hand[name].pipeline else '-'} | - / {x.peak_bytes / 2**30:.1f} |"
+    rows += [f"|  | | {name} | | | {price(x):.3f} | {price(x) / price(best):.2f} | | | {_levels(x)} | "
+             f"{f'{hand[name].pipeline.bubble:.0%}' if hand[name].pipeline else '-'} | "
+             f"{'-' if peaks[name] is None else f'{peaks[name] / 2**30:.1f}'} / {x.peak_bytes / 2**30:.1f} |"
              for name, x in zip(hand, found[1:])]  # fmt: skip
     return rows
+
+
+def predicted_peak(plan, fn, args, hardware: str, inputs) -> float | None:
+    """A hand-written plan's peak bytes per device as the planner's memory model predicts it (the
+    plan's leaves annotated on the step's graph, propagated and priced as a candidate is): what
+    says whether it fits the profile's memory, which a compile on CPU cannot. None for a pipeline
+    (priced otherwise)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from partitioner.candidates import Tactic, TacticPlan, priced_each
+    from partitioner.hardware import profile
+
+    if plan.pipeline is not None:
+        return None
+    specs = [
+        s
+        for a, arg in enumerate(args)
+        for s in jax.tree.leaves(plan.specs_like(arg, argnum=a), is_leaf=lambda x: isinstance(x, P))
+    ]
+    values = inputs.graph.values
+    annotations = {}
+    for v, spec in zip(inputs.ids, specs):
+        entries = [tuple(e) if isinstance(e, tuple) else ((e,) if e else ()) for e in spec]
+        annotations.setdefault(v, tuple(entries + [()] * (len(values[v].shape) - len(entries))))
+    batch = {v: annotations[v] for v in inputs.batch_values}
+    task = TacticPlan(Tactic("expert"), dict(plan.mesh), annotations, batch)
+    hw = profile(hardware).sliced(plan.devices, plan.slices)
+    (candidate,) = priced_each(inputs, [task], hw)
+    return candidate.cost.peak_bytes_per_device
 
 
 def _levels(v) -> str:
@@ -148,9 +191,10 @@ def main() -> None:
         return
     print(
         "| model | profile | plan | plan s | predicted s (FLOPs + collectives) | compiled s | x best expert | "
-        "best expert, compiled s | GB per device by level (compiled) | bubble | peak GiB predicted / CPU compile |"
+        "best expert, compiled s | x best expert predicted to fit | GB per device by level (compiled) | bubble | "
+        "peak GiB predicted / CPU compile |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models:
         for size in a.sizes:
             for hardware in a.profiles:
