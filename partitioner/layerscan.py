@@ -26,30 +26,47 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.extend import core as jcore
 
-_SWAP = threading.RLock()
 _ORIGINAL = jax.lax.scan
+_INSTALL = threading.Lock()
+_LOCAL = threading.local()  # this thread's handlers, innermost last
 
 
 @contextlib.contextmanager
 def scans_replaced(handler: Callable):
-    """`jax.lax.scan` calls `handler(original, f, init, xs, length, **kwargs)` while inside (one
-    trace at a time: the swap is process-wide)."""
-    with _SWAP:
-        inner = jax.lax.scan
+    """`jax.lax.scan`, called from this thread while inside, calls `handler(inner, f, init, xs,
+    length, **kwargs)`, `inner` being the scan beneath it (an enclosing handler's, or JAX's).
 
-        def scan(f, init, xs=None, length=None, **kwargs):
-            return handler(inner, f, init, xs, length, **kwargs)
+    `jax.lax.scan` becomes, the first time, a dispatcher that calls JAX's own scan in a thread
+    with no handler: two threads tracing at once (a step compiled ahead beside training) each see
+    their own, and neither waits on the other while JAX's caches may wait on both."""
+    _install()
+    stack = _LOCAL.__dict__.setdefault("handlers", [])
+    depth = len(stack)
+    stack.append(handler)
+    try:
+        yield
+    finally:
+        del stack[depth:]
 
-        jax.lax.scan = scan
-        try:
-            yield
-        finally:
-            jax.lax.scan = inner
+
+def _install() -> None:
+    with _INSTALL:
+        if jax.lax.scan is not _dispatch:
+            jax.lax.scan = _dispatch
 
 
-def original_scan() -> Callable:
-    """The `jax.lax.scan` of the library, whatever is swapped in."""
-    return _ORIGINAL
+def _dispatch(f, init, xs=None, length=None, **kwargs):
+    return _at(len(getattr(_LOCAL, "handlers", ())) - 1, f, init, xs, length, kwargs)
+
+
+def _at(level: int, f, init, xs, length, kwargs):
+    if level < 0:
+        return _ORIGINAL(f, init, xs, length, **kwargs)
+
+    def inner(f, init, xs=None, length=None, **kwargs):
+        return _at(level - 1, f, init, xs, length, kwargs)
+
+    return _LOCAL.handlers[level](inner, f, init, xs, length, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
