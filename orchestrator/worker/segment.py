@@ -211,7 +211,9 @@ def _train(
     position = DataPosition(spec.global_batch, *restored.position)
     saves = Saves(loaded.store, report, spec.checkpoint.dir)
     pace = SnapshotPace(spec.checkpoint.snapshot_time_share, peers, fixed=spec.checkpoint.snapshot_every)
-    agreement = StopAgreement(should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval)
+    agreement = StopAgreement(
+        should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval, propose_digest=programs.digest.ready
+    )
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = loaded.plan.devices_used * profile(spec.hardware).peak_flops
     tokens = spec.global_batch * loaded.program.tokens_per_example
@@ -228,7 +230,7 @@ def _train(
         hooks.append(EvalHook(programs.evaluation, held_out, loaded.program.evaluation, lap))
     hooks.append(SaveHook(saves, loaded.plan, programs.digest, position, spec, fault, lap))
     hooks.append(AheadHook(ahead, loaded.program, loaded.abstract_state, loaded.abstract_batch, spec, report))
-    hooks.append(SnapshotHook(peers, pace, position, spec, programs.digest))
+    hooks.append(SnapshotHook(peers, pace, position, spec, programs.digest, lambda: agreement.digest_ready))
     data = batches(loaded.program, position, loaded.batch_shardings, loaded.abstract_batch)
     inputs = Prefetch(data, restored.meta.data_position, spec.steps)
     try:

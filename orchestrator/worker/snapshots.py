@@ -10,6 +10,7 @@ import collections
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 from ..protocol import CheckpointMeta
 from .hooks import Hook, StepDispatched
@@ -40,10 +41,12 @@ class SnapshotPace:
         self.interval = max(1, math.ceil(copy / (self._budget * step)))
 
 
-def take_snapshot(peers, state, meta: CheckpointMeta, pace: SnapshotPace, digest) -> float:
+def take_snapshot(peers, state, meta: CheckpointMeta, pace: SnapshotPace, digest, with_digest: bool) -> float:
     """Copy this process's shards of the state after `meta.step` to the host and hand them to
     `peers` (sent in the background); returns the seconds the copy held the training loop. With the
-    state's digest once its program is compiled (never waited for here): a restore checks it."""
+    state's digest where the group agreed its program is compiled (`with_digest`,
+    `StopAgreement.digest_ready`; never waited for here but by a process whose compile is
+    behind): a restore checks it."""
     import jax
 
     from checkpoint import take_snapshot as copy_to_host
@@ -54,7 +57,8 @@ def take_snapshot(peers, state, meta: CheckpointMeta, pace: SnapshotPace, digest
     t = time.perf_counter()
     pace.index, arrays = copy_to_host(state, pace.index)
     # The digest is dispatched now and read by the send thread: the loop does not wait for it.
-    later = digest_later(digest.get(), state) if digest.ready() else None
+    program = digest.get() if with_digest else None
+    later = digest_later(program, state) if program is not None else None
     peers.offer(meta.step, pace.index, arrays, meta.to_dict(), later)  # waits only while two earlier ones are queued
     return time.perf_counter() - t
 
@@ -63,8 +67,9 @@ class SnapshotHook(Hook):
     """Takes a peer snapshot after the steps the group agreed on (`StopAgreement.snapshot_every`),
     with the records of the steps since the newest commit, which a restore hands back."""
 
-    def __init__(self, peers, pace: SnapshotPace, position, spec, digest):
+    def __init__(self, peers, pace: SnapshotPace, position, spec, digest, with_digest: Callable[[], bool]):
         self.peers, self.pace, self.position, self.spec, self.digest = peers, pace, position, spec, digest
+        self.with_digest = with_digest  # the group's agreement that every process can dispatch it
 
     def after_step(self, done: StepDispatched) -> None:
         every = done.snapshot_every
@@ -78,6 +83,6 @@ class SnapshotHook(Hook):
             step=done.step,
             step_records=tuple(done.unsaved(done.step)),
         )
-        copy = take_snapshot(self.peers, done.state, meta, self.pace, self.digest)
+        copy = take_snapshot(self.peers, done.state, meta, self.pace, self.digest, self.with_digest())
         self.pace.took(copy, seconds)
         done.copied += copy

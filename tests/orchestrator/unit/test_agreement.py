@@ -10,12 +10,12 @@ from orchestrator.worker.agreement import StopAgreement
 class Process0:
     """The broadcast: every process gets process 0's proposal; records the steps it was asked at."""
 
-    def __init__(self, stop=Stop.RUN, snapshots=0):
-        self.stop, self.snapshots, self.asked = stop, snapshots, []
+    def __init__(self, stop=Stop.RUN, snapshots=0, digest=False):
+        self.stop, self.snapshots, self.digest, self.asked = stop, snapshots, digest, []
 
     def __call__(self, proposal):
         self.asked.append(proposal.copy())
-        return np.array([int(self.stop), proposal[1], self.snapshots], np.int32)
+        return np.array([int(self.stop), proposal[1], self.snapshots, int(self.digest)], np.int32)
 
 
 def test_one_process_asks_its_own_flag_every_step():
@@ -54,3 +54,18 @@ def test_a_stop_asked_between_checks_waits_for_the_next_check():
     agreement.agree(2, False, 0.1)  # checked: the next check is 10 steps on
     flag[0] = Stop.NOW
     assert agreement.agree(3, False, 0.1) is Stop.RUN  # not a step to check at: no collective
+
+
+def test_the_digest_rides_with_snapshots_once_process_0_has_it_and_stays_on():
+    # A process whose digest compiled first must not dispatch it alone: the digest has
+    # collectives, and the others would wait on them for ever (a pipelined job hung so).
+    process0 = Process0(digest=False)
+    mine = StopAgreement(lambda: Stop.RUN, processes=2, broadcast=process0, propose_digest=lambda: True)
+    mine.agree(10, True, 0.1)
+    assert not mine.digest_ready  # this process's own compile does not decide
+    process0.digest = True
+    mine.agree(20, True, 0.1)
+    assert mine.digest_ready
+    process0.digest = False
+    mine.agree(30, True, 0.1)
+    assert mine.digest_ready  # once agreed, every later snapshot carries it
