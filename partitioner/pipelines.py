@@ -336,7 +336,9 @@ def considered(
             raise PlanInputError(
                 f"pipeline={asked}: no pipeline of {counts[0]} stages fits {limit / 2**30:.2f} GiB per device"
             )
-        return flat
+        tried = " or ".join(str(s) for s in counts)
+        return _noted(flat, f"no pipeline: none of {tried} stages fits {limit / 2**30:.2f} GiB per device with each "
+                            "stage's weights gathered once")  # fmt: skip
     timing = tuple(n for n in flat.notes if n.startswith("time:"))
     notes = notes_for(chosen, flat, hw) + ((moved,) if moved else ()) + timing
     piped = composed(chosen.inner, chosen, scan, args, inputs.batch_argnums, devices, slices, notes)

@@ -181,10 +181,13 @@ def _search(fn, args, devices: int, options: PlanOptions, inputs: Inputs | None,
     timing = f"time: {read}({len(inputs.graph.ops)} ops), search {t2 - t1:.2f} s ({len(candidates)} candidates, level {level})"
     plan = to_plan(inputs, best, args, devices, t2 - t0, ranked, limit, hw, timing, guard)
     # One stage's devices, planned without a pipeline, and without the refinement and the exact
-    # solver: a stage's plan is priced for each stage count, and its base tactics decide it.
+    # solver: a stage's plan is priced for each stage count, and its base tactics decide it. It
+    # plans the whole step on a stage's devices, which hold only their stage's layers: its memory
+    # limit is the stages' together, and the pipeline's own peak decides what fits.
     within = tuple(t for t in (tactics or TACTICS) if t not in ("refined", "exact"))
     inner = lambda n, slices: _search(  # noqa: E731
-        fn, args, n, dataclasses.replace(options, pipeline="off", slices=slices, compile_check=False, tactics=within),
+        fn, args, n, dataclasses.replace(options, pipeline="off", slices=slices, compile_check=False, tactics=within,
+                                         memory_limit=limit * (devices // n)),
         inputs, True,
     )  # fmt: skip
     chosen = pipelines.considered(
