@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .errors import PlanInputError
+
 STAGE = "stage"
 
 
@@ -62,8 +64,6 @@ class Pipeline:
 
     def checked(self, layers: int, batch: int) -> Pipeline:
         """This pipeline, or an error saying which count does not divide."""
-        from .errors import PlanInputError  # noqa: PLC0415
-
         if layers % (self.stages * self.repeats):
             raise PlanInputError(
                 f"a pipeline of {self.stages} stages x {self.repeats} repeats needs layers divisible by "
@@ -92,12 +92,11 @@ class Layout:
     weights: Mapping[tuple, tuple] = dataclasses.field(default_factory=dict)
     batch_axes: tuple[str, ...] = ()
 
-    def put(self, tree, lead: tuple, carry: bool = True):
+    def put(self, tree, lead: tuple):
         """`tree` constrained to `lead` on its leading dimensions, then the carry's layout."""
         if self.mesh is None:
             return tree
-        rest = self.carry if carry else ()
-        return jax.tree.map(lambda a: self._constrain(a, lead + rest), tree)
+        return jax.tree.map(lambda a: self._constrain(a, lead + self.carry), tree)
 
     def put_split(self, tree, lead: tuple):
         """`tree`, whose batch dimension is split in two (`[..., replicas, examples, rest]`),

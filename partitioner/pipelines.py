@@ -168,8 +168,9 @@ class _Parts:
         )
         state = {v: per_device(v) for v in inputs.state_values}
         stacked = sum(b for v, b in state.items() if g.values[v].shape[:1] == (scan.length,))
-        entries = scan_layout_entries(inner)
-        others = math.prod(inner.mesh.get(a, 1) for e in entries[1:] for a in e)  # (a split sequence)
+        layout = inner.layer_scan
+        split = lambda dims: math.prod(inner.mesh.get(a, 1) for d in dims for a in layout.axes(d))  # noqa: E731
+        others = split(range(1, len(layout.carry)))  # (a split sequence)
         return cls(
             layer_flops=min(layer / max(g.flops(), 1.0), 1.0),
             compute=inner.cost.compute_seconds,
@@ -183,7 +184,7 @@ class _Parts:
             stacked_param_bytes=sum(g.values[w.value].nbytes for w in inputs.weights if w.stacked),
             carry_bytes=scan.carry_bytes_per_example // max(others, 1),
             batch=scan.batch,
-            batch_split=_first_split(inner),
+            batch_split=split([0]),
             peak=inner.cost.peak_bytes_per_device,
         )
 
@@ -202,19 +203,6 @@ def _communication_shares(scan: LayerScan, inputs: Inputs, prop) -> dict[str, fl
         out[kind] += c.bytes * n
     whole = max(sum(out.values()), 1.0)
     return {k: v / whole for k, v in out.items()}
-
-
-def scan_layout_entries(plan: Plan) -> list[tuple[str, ...]]:
-    """The mesh axes of the carry's leading dimensions under `plan`."""
-    entries = plan.layer_scan.carry if plan.layer_scan else ()
-    return [e if isinstance(e, tuple) else (e,) for e in entries if e is not None]
-
-
-def _first_split(plan: Plan) -> int:
-    entries = plan.layer_scan.carry if plan.layer_scan else ()
-    first = entries[0] if entries else None
-    axes = () if first is None else (first if isinstance(first, tuple) else (first,))
-    return math.prod(plan.mesh.get(a, 1) for a in axes)
 
 
 def _cost(p: Pipeline, parts: _Parts, link, hw: Hardware) -> tuple[Cost, int]:

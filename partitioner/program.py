@@ -54,6 +54,11 @@ class ScanLayout:
         carry = jax.tree.leaves(init)
         return n == self.layers and not kwargs.get("reverse") and bool(carry) and (self.vmapped or self.leads(init))
 
+    def axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes the carry's dimension `dim` is split over (0: the batch's)."""
+        entry = self.carry[dim] if dim < len(self.carry) else None
+        return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
     def leads(self, init) -> bool:
         """Whether every leaf of `init` leads with the batch."""
         return all(getattr(c, "ndim", 0) and c.shape[0] == self.batch for c in jax.tree.leaves(init))
@@ -71,7 +76,7 @@ def program(plan, fn, required: bool = True):
 
     @functools.wraps(fn)
     def run(*args):
-        layout = Layout(mesh, scan_layout.carry, _weight_specs(plan, args, scan_layout), _axes(scan_layout.carry))
+        layout = Layout(mesh, scan_layout.carry, _weight_specs(plan, args, scan_layout), scan_layout.axes(0))
         taken: list[bool] = []
 
         def planned(inner, f, init, xs, length, kwargs):
@@ -143,9 +148,3 @@ def _weight_specs(plan, args: Sequence, scan_layout: ScanLayout) -> dict[tuple, 
                 entries = tuple(spec) + (None,) * (len(shape) - len(spec))
                 out.setdefault(shape[1:], entries[1:])
     return out
-
-
-def _axes(carry: tuple) -> tuple[str, ...]:
-    """The mesh axes of the carry's batch dimension."""
-    first = carry[0] if carry else None
-    return () if first is None else (first if isinstance(first, tuple) else (first,))

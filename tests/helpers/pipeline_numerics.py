@@ -17,6 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
+import zlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,7 +44,8 @@ def concrete(args, seed: int = 0):
         if "opt" in name or not jnp.issubdtype(a.dtype, jnp.floating):
             return jnp.zeros(a.shape, a.dtype)
         return (
-            jax.random.normal(jax.random.fold_in(jax.random.key(seed), abs(hash(name)) % 9973), a.shape) * 0.05
+            jax.random.normal(jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) % 9973), a.shape)
+            * 0.05
         ).astype(a.dtype)
 
     tokens = lambda i, a: jax.random.randint(jax.random.key(seed + i + 1), a.shape, 0, 256).astype(a.dtype)  # noqa: E731

@@ -9,7 +9,6 @@ import sys
 
 import jax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import partitioner
 from partitioner.errors import PlanInputError
@@ -98,9 +97,7 @@ def test_pipelined_plan_has_a_stage_axis_and_round_trips():
     specs = plan.specs_like(args[0], argnum=0)
     assert specs["params"]["decoder"]["layers"]["mlp"]["wi"]["kernel"][0] == "stage"
     assert "stage" in (plan.specs_like(args[1], argnum=1)["inputs"][0] or ())
-    assert specs["params"]["token_embedder"]["embedding"] == P() or "stage" not in str(
-        specs["params"]["token_embedder"]
-    )
+    assert "stage" not in str(specs["params"]["token_embedder"]["embedding"])  # outside the pipeline
     again = partitioner.Plan.from_json(plan.to_json())
     assert again.pipeline == plan.pipeline and again.layer_scan == plan.layer_scan
     assert any("bubble" in n for n in plan.notes) and any("without a pipeline" in n for n in plan.notes)
@@ -129,7 +126,7 @@ def test_program_without_a_pipeline_constrains_the_carry():
     plan = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline="off", compile_check=False)
     assert plan.pipeline is None and plan.layer_scan is not None
     text = jax.jit(plan.program(step)).lower(*args).as_text()
-    assert "sharding_constraint" in text or "sdy.sharding_constraint" in text
+    assert "sharding_constraint" in text
     assert dataclasses.replace(plan, layer_scan=None).program(step) is step
 
 
