@@ -12,6 +12,7 @@ Experts, on 32 devices in 4 slices:
     hsdp, constrained       the same with the layer scan's activations constrained as MaxText does
     gpipe                   one stage per slice (stage=4 x data=8), FSDP inside, 4 microbatches,
                             each stage's weights gathered once per step
+    gpipe, remat            the same with each stage's forward computed again in its backward pass
     hsdp x megatron+fsdp    replica=4 x data=4 x model=2, constrained (its tensor-parallel rule)
 
 Peak memory: the planner's prediction is for the accelerator's layout (bfloat16 as bfloat16); the
@@ -62,6 +63,8 @@ def experts(module, fn, args, scanned: bool, layers: int):
         ),
         "gpipe": (Expert("gpipe", {"stage": 4, "data": 8}, stacked, fsdp=True), ("data",),
                   Pipeline(4, 4, layers=layers, gather_once=True)),
+        "gpipe, remat": (Expert("gpipe", {"stage": 4, "data": 8}, stacked, fsdp=True), ("data",),
+                         Pipeline(4, 4, layers=layers, gather_once=True, remat=True)),
     }  # fmt: skip
     if not scanned:  # a Python loop of layers: no scan to constrain or pipeline by hand either
         made = {k: (e, None, None) for k, (e, carry, pipe) in made.items() if carry is None or k.startswith("hsdp x")}

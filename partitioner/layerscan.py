@@ -83,6 +83,7 @@ class LayerScan:
     per_example: bool
     why_not: str = ""  # "" where it can be pipelined
     vmapped: bool = False  # the scan runs per example under jax.vmap (an Equinox model's way)
+    layer_flops: float = 0.0  # one layer's forward FLOPs on the whole batch (what remat computes again)
 
     @property
     def pipelinable(self) -> bool:
@@ -197,18 +198,18 @@ def _as_layer_scan(call, batch: int, state_shapes) -> LayerScan | None:
     if not carry or any(getattr(c, "ndim", 0) == 0 or c.shape[0] != batch for c in carry):
         return None
     per_example = sum(int(np.prod(c.shape[1:])) * np.dtype(c.dtype).itemsize for c in carry)
-    mixes, free = _body_reads(f, init, xs, batch)
+    mixes, free, flops = _body_reads(f, init, xs, batch)
     why = ""
     if mixes:
         why = f"no pipeline: the layer body mixes examples ({mixes}); a stage must see one microbatch at a time"
     elif not free:
         why = "no pipeline: the layer scan's per-layer outputs depend on the activations; return them from the carry"
-    return LayerScan(layers, batch, tuple(dict.fromkeys(stacked)), per_example, not mixes, why)
+    return LayerScan(layers, batch, tuple(dict.fromkeys(stacked)), per_example, not mixes, why, layer_flops=flops)
 
 
-def _body_reads(f, init, xs, batch: int) -> tuple[str, bool]:
+def _body_reads(f, init, xs, batch: int) -> tuple[str, bool, float]:
     """(what in the body mixes examples, "" if nothing; whether its per-layer outputs are free of
-    the carry). Mixing is read as GSPMD would: the carry's batch split over a mesh axis of 2, and
+    the carry; the body's FLOPs). Mixing is read as GSPMD would: the carry's batch split over a mesh axis of 2, and
     any communication the body then needs."""
     from .capture import capture  # noqa: PLC0415 (capture imports rules, a heavy import for a find)
     from .propagate import propagate  # noqa: PLC0415
@@ -217,9 +218,9 @@ def _body_reads(f, init, xs, batch: int) -> tuple[str, bool]:
     carry = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
     jaxpr = jax.make_jaxpr(f)(carry, x)
     free = _outputs_free(jaxpr.jaxpr, len(jax.tree.leaves(carry)))
-    if batch % 2:
-        return "", free
     g = capture(f, carry, x)
+    if batch % 2:
+        return "", free, g.flops()
     rank = {v: len(g.values[v].shape) for v in g.inputs}
     n_carry, n_x = len(jax.tree.leaves(carry)), len(jax.tree.leaves(x))
     carried = g.inputs[len(g.inputs) - n_carry - n_x :][:n_carry]  # (closed-over values come first)
@@ -227,8 +228,8 @@ def _body_reads(f, init, xs, batch: int) -> tuple[str, bool]:
     sent = [c for c in propagate(g, split, {"b": 2}, first=carried).communication if "b" in c.axes]
     if sent:
         op = next(o for o in g.ops if o.id == sent[0].op)
-        return f"{op.primitive} {sent[0].kind} over the batch", free
-    return "", free
+        return f"{op.primitive} {sent[0].kind} over the batch", free, g.flops()
+    return "", free, g.flops()
 
 
 def _outputs_free(jaxpr, n_carry: int) -> bool:

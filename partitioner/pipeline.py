@@ -53,7 +53,8 @@ class Pipeline:
 
     def describe(self) -> str:
         circ = f" x {self.repeats} repeats" if self.repeats > 1 else ""
-        return f"pipeline {self.stages} stages{circ}, {self.microbatches} microbatches, bubble {self.bubble:.0%}"
+        remat = ", stages rematerialised" if self.remat else ""
+        return f"pipeline {self.stages} stages{circ}, {self.microbatches} microbatches{remat}, bubble {self.bubble:.0%}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -111,18 +111,24 @@ def priced(scan: LayerScan, inner: Plan, best: Candidate, inputs: Inputs, stages
     parts = _Parts.of(scan, inner, best, inputs)
     level = hw.level(devices)
     link = hw.link(devices)  # (the stage axis is outermost: its neighbours are a stage's devices apart)
-    out = []
-    for repeats in [r for r in (1, 2, 4) if scan.length % (stages * r) == 0]:
-        for m in _microbatch_counts(scan.batch, parts.batch_split, stages, repeats):
-            p = Pipeline(stages, m, repeats, layers=scan.length)
-            # Each stage's weights gathered once per step only: re-gathered per microbatch inside
-            # the loop, XLA's compile moves far more than this model prices (a 13B step on
-            # tpu-v5e: 125 GB across slices, 72 s, against 5.5 s predicted), so such a
-            # pipeline is not offered until it is priced right.
-            cost, sends = _cost(p, parts, link, hw)
-            if cost.peak_bytes_per_device <= limit:
-                out.append(Priced(p, cost, inner, sends, level))
-    return min(out, key=lambda x: x.cost.total_seconds, default=None)
+    # Remat (each stage's forward on a microbatch computed again in its backward pass) only where
+    # memory asks: it keeps a stage's input per tick instead of every layer's, for one more
+    # forward pass of the layers.
+    for remat in (False, True):
+        out = []
+        for repeats in [r for r in (1, 2, 4) if scan.length % (stages * r) == 0]:
+            for m in _microbatch_counts(scan.batch, parts.batch_split, stages, repeats):
+                p = Pipeline(stages, m, repeats, layers=scan.length, remat=remat)
+                # Each stage's weights gathered once per step only: re-gathered per microbatch
+                # inside the loop, XLA's compile moves far more than this model prices (a 13B
+                # step on tpu-v5e: 125 GB across slices, 72 s, against 5.5 s predicted), so
+                # such a pipeline is not offered until it is priced right.
+                cost, sends = _cost(p, parts, link, hw)
+                if cost.peak_bytes_per_device <= limit:
+                    out.append(Priced(p, cost, inner, sends, level))
+        if out:
+            return min(out, key=lambda x: x.cost.total_seconds)
+    return None
 
 
 def _microbatch_counts(batch: int, split: int, stages: int, repeats: int) -> list[int]:
@@ -136,6 +142,7 @@ class _Parts:
     """The inner plan's prediction split into the layer scan's part and the rest."""
 
     layer_flops: float  # share of the FLOPs inside the layer scan
+    forward_flops: float  # share the layers' forward pass adds, computed again (remat)
     compute: float
     flop_compute: float  # the FLOPs alone (`Cost.flop_seconds`)
     layer_activation_comm: float  # seconds: collectives of the layers' activations
@@ -173,6 +180,7 @@ class _Parts:
         others = split(range(1, len(layout.carry)))  # (a split sequence)
         return cls(
             layer_flops=min(layer / max(g.flops(), 1.0), 1.0),
+            forward_flops=min(scan.length * scan.layer_flops / max(g.flops(), 1.0), 1.0),
             compute=inner.cost.compute_seconds,
             flop_compute=inner.cost.flop_seconds if inner.cost.flop_seconds is not None else inner.cost.compute_seconds,
             layer_activation_comm=seconds["layers"],
@@ -210,7 +218,8 @@ def _cost(p: Pipeline, parts: _Parts, link, hw: Hardware) -> tuple[Cost, int]:
     next stage per step."""
     S, M, R = p.stages, p.microbatches, p.repeats
     stretch = p.ticks / (R * M)  # the layers' time with the bubble
-    spread = lambda t: t * parts.layer_flops / S * stretch + t * (1 - parts.layer_flops) / S  # noqa: E731
+    layers = parts.layer_flops + (parts.forward_flops if p.remat else 0.0)
+    spread = lambda t: t * layers / S * stretch + t * (1 - parts.layer_flops) / S  # noqa: E731
     weights = parts.weight_comm / S * (1 if p.gather_once else R * M)
     grads = 2 * (S - 1) / S * parts.grad_bytes / link.bandwidth + latency_steps("all-reduce", S) * link.latency
     microbatch = parts.microbatch_bytes(M)
@@ -219,11 +228,13 @@ def _cost(p: Pipeline, parts: _Parts, link, hw: Hardware) -> tuple[Cost, int]:
     comm += 2 * p.ticks * link.latency + sends / link.bandwidth
     # Memory: the state, its stacked part split by stage; a stage's weights gathered and the sum
     # of their gradients beside them; what each tick keeps for the backward pass (each of the
-    # stage's layers' input, for one microbatch); the rest of the inner plan's activations split
+    # stage's layers' input, for one microbatch; with remat the stage's input alone, and one
+    # stage's layers computed again at a time); the rest of the inner plan's activations split
     # as the batch is, S ways more; the microbatches held and circulating.
     state = parts.state_bytes - parts.stacked_bytes + parts.stacked_bytes / S
     gathered = 2 * parts.stacked_param_bytes / S if p.gather_once else 0
-    kept = p.ticks * (p.layers // (S * R)) * microbatch
+    per_stage = p.layers // (S * R)
+    kept = (p.ticks + per_stage) * microbatch if p.remat else p.ticks * per_stage * microbatch
     activations = max(parts.peak - parts.state_bytes, 0) / S
     peak = int(state + gathered + kept + activations + (S + M) * microbatch)
     compute, flops = spread(parts.compute), spread(parts.flop_compute)
@@ -326,7 +337,7 @@ def considered(
             )
         tried = " or ".join(str(s) for s in counts)
         return _noted(flat, f"no pipeline: none of {tried} stages fits {limit / 2**30:.2f} GiB per device with each "
-                            "stage's weights gathered once")  # fmt: skip
+                            "stage's weights gathered once, its stages rematerialised or not")  # fmt: skip
     timing = tuple(n for n in flat.notes if n.startswith("time:"))
     notes = notes_for(chosen, flat, hw) + ((moved,) if moved else ()) + timing
     piped = composed(chosen.inner, chosen, scan, args, inputs.batch_argnums, devices, slices, notes)

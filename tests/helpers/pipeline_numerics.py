@@ -1,5 +1,6 @@
 """`plan.program(step)` pipelined against the plain step, for one scanned corpus model at a small
-size: `python -m tests.helpers.pipeline_numerics MODEL STAGES:MICROBATCHES[:REPEATS] ...` prints a JSON
+size: `python -m tests.helpers.pipeline_numerics MODEL STAGES:MICROBATCHES[:REPEATS][r] ...` (`r`: each
+stage rematerialised) prints a JSON
 line per pipeline with the largest relative differences of the losses and the updated state over
 3 steps.
 
@@ -86,13 +87,15 @@ def main(name: str, shapes: list[tuple[int, ...]]):
         a, metrics = plain(a, batch)
         reference.append((a, metrics["loss"]))
     plans = {}
-    for stages, microbatches, *repeats in shapes:
+    for stages, microbatches, *repeats, remat in shapes:
         if stages not in plans:
             plans[stages] = partitioner.plan(
                 step, *args, devices=8, hardware="cpu", pipeline=stages, compile_check=False
             )
         plan = plans[stages]
-        pipe = dataclasses.replace(plan.pipeline, microbatches=microbatches, repeats=repeats[0] if repeats else 1)
+        pipe = dataclasses.replace(
+            plan.pipeline, microbatches=microbatches, repeats=repeats[0] if repeats else 1, remat=remat
+        )
         plan = dataclasses.replace(plan, pipeline=pipe)
         piped = plan.jit(plan.program(step), (state, batch), jax.devices(), carry={0: 0})
         b, losses, states = state, [], []
@@ -110,5 +113,6 @@ def main(name: str, shapes: list[tuple[int, ...]]):
 
 
 if __name__ == "__main__":
-    for row in main(sys.argv[1], [tuple(map(int, s.split(":"))) for s in sys.argv[2:]]):
+    shapes = [(*map(int, s.rstrip("r").split(":")), s.endswith("r")) for s in sys.argv[2:]]
+    for row in main(sys.argv[1], shapes):
         print(json.dumps(row), flush=True)

@@ -28,7 +28,7 @@ def _numerics(model: str, *shapes: str) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-SHAPES = ("2:2", "2:8", "4:4", "4:8:2")  # stages:microbatches[:repeats]
+SHAPES = ("2:2", "2:8", "4:4", "4:8:2", "2:4r", "4:8:2r")  # stages:microbatches[:repeats][r: remat]
 
 
 @pytest.mark.parametrize("model", ["maxtext_scan", "equinox_scan", pytest.param("nnx_scan", marks=pytest.mark.slow),
@@ -37,9 +37,10 @@ def test_pipelined_program_computes_the_step(model):
     rows = _numerics(model, *SHAPES)
     assert len(rows) == len(SHAPES)
     for row, shape in zip(rows, SHAPES):
-        stages, microbatches, *repeats = map(int, shape.split(":"))
+        stages, microbatches, *repeats = map(int, shape.rstrip("r").split(":"))
         p = row["pipeline"]
         assert (p["stages"], p["microbatches"], p["repeats"]) == (stages, microbatches, repeats[0] if repeats else 1)
+        assert p["remat"] == shape.endswith("r")
         assert row["mesh"]["stage"] == stages
         assert row["loss"] <= 1e-5 and row["state"] <= 1e-5, row
 
@@ -136,3 +137,21 @@ def test_a_pipeline_that_does_not_divide_is_refused_when_the_program_is_made():
     bad = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, microbatches=3))
     with pytest.raises(PlanInputError, match="3 microbatches must divide the batch of 8"):
         partitioner.Plan.from_json(bad.to_json()).program(step)
+
+
+def test_remat_is_chosen_where_memory_asks_and_keeps_less():
+    step, args = maxtext_scan.build(layers=8, c=dict(SMALL, seq=256, batch=16))
+    roomy = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False)
+    assert not roomy.pipeline.remat  # (it computes the forward pass again: never where memory allows)
+    limit = roomy.cost.peak_bytes_per_device - 1
+    tight = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False,
+                             memory_limit=limit)  # fmt: skip
+    assert tight.pipeline.remat and tight.cost.peak_bytes_per_device <= limit
+    assert tight.cost.compute_seconds > roomy.cost.compute_seconds
+    assert any("stages rematerialised" in n for n in tight.notes)
+    temp = {}
+    for remat in (False, True):  # the compile keeps less too, for the same pipeline otherwise
+        plan = dataclasses.replace(tight, pipeline=dataclasses.replace(tight.pipeline, remat=remat))
+        compiled = plan.jit(plan.program(step), args, jax.devices()).lower(*args).compile()
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[True] < temp[False], temp
