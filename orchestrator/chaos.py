@@ -19,6 +19,9 @@ freeze@S[:H]          after step S is reported, stop host H's process (SIGSTOP):
                       to Ray, that answers nothing
 slow@S[:H]            from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
                       a straggler (works on any cluster: nothing is killed)
+slow-step@S[:H][xF]   from step S on, host H's work on each step takes F times as long (default
+                      3): a slow host, the slowness its own, not its input's; it follows the
+                      node (a group without it runs at full speed), on any cluster
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from .worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
-         "slow")  # fmt: skip
+         "slow", "slow-step")  # fmt: skip
 SLOW_INPUT_SECONDS = 0.3
-ANY_CLUSTER = ("slow",)  # kinds that need no control over the cluster's nodes
-_FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?$")
+SLOW_STEP_FACTOR = 3.0
+ANY_CLUSTER = ("slow", "slow-step")  # kinds that need no control over the cluster's nodes
+_FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?(?:x(?P<factor>\d+(?:\.\d+)?))?$")
+_FACTOR = ("slow-step",)  # kinds that take xF
 _NO_HOST = ("add", "add-in-recovery")
 
 
@@ -52,6 +57,7 @@ class Fault:
     kind: str
     step: int
     hosts: tuple[int, ...] = ()  # indices within the running group; () means the last host
+    factor: float = 0.0  # slow-step's: how many times as long the host's step work takes
 
     def host_in(self, size: int) -> int:
         """The one host this fault names, in a group of `size` hosts (one beyond it: the last)."""
@@ -66,7 +72,8 @@ class Fault:
         return self.kind.removeprefix("lose-in-") if self.kind.startswith("lose-in-") else None
 
     def __str__(self) -> str:
-        return f"{self.kind}@{self.step}" + (":" + "+".join(map(str, self.hosts)) if self.hosts else "")
+        hosts = (":" + "+".join(map(str, self.hosts))) if self.hosts else ""
+        return f"{self.kind}@{self.step}{hosts}" + (f"x{self.factor:g}" if self.factor else "")
 
 
 def parse_chaos(text: str | None) -> tuple[Fault, ...]:
@@ -77,17 +84,22 @@ def parse_chaos(text: str | None) -> tuple[Fault, ...]:
         m = _FAULT.match(item.strip())
         if not m or m["kind"] not in KINDS:
             raise ChaosSpecError(
-                f"bad fault {item.strip()!r}: expected KIND@STEP[:HOST[+HOST]] with KIND one of {KINDS}, "
-                "e.g. lose@40,add@80 or lose-in-save@50:0"
+                f"bad fault {item.strip()!r}: expected KIND@STEP[:HOST[+HOST]][xFACTOR] with KIND one of {KINDS}, "
+                "e.g. lose@40,add@80, lose-in-save@50:0 or slow-step@20:2x3"
             )
         hosts = tuple(int(h) for h in m["hosts"].split("+")) if m["hosts"] else ()
+        if m["factor"] and m["kind"] not in _FACTOR:
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: only {', '.join(_FACTOR)} takes xFACTOR")
+        factor = float(m["factor"]) if m["factor"] else (SLOW_STEP_FACTOR if m["kind"] in _FACTOR else 0.0)
+        if m["kind"] in _FACTOR and factor <= 1:
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: xFACTOR must be above 1 (how many times as long)")
         if hosts and m["kind"] in _NO_HOST:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: {m['kind']}@STEP takes no host")
         if len(hosts) > 1 and m["kind"] != "lose":
             raise ChaosSpecError(f"bad fault {item.strip()!r}: only lose@STEP takes several hosts (H+H)")
         if len(set(hosts)) != len(hosts):
             raise ChaosSpecError(f"bad fault {item.strip()!r}: a host is named twice")
-        faults.append(Fault(m["kind"], int(m["step"]), hosts))
+        faults.append(Fault(m["kind"], int(m["step"]), hosts, factor))
     return tuple(sorted(faults, key=lambda f: f.step))
 
 
@@ -127,6 +139,10 @@ class ChaosInjector:
         """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
         return {(f.hosts[0] if f.hosts else None): f.step for f in self._pending if f.kind == "slow"}
 
+    def slow_steps(self) -> list[Fault]:
+        """`slow-step` faults (they never fire: the node they name stays slow)."""
+        return [f for f in self._pending if f.kind == "slow-step"]
+
     def fired(self, fault: Fault) -> None:
         self._pending = [f for f in self._pending if f != fault]
 
@@ -148,6 +164,7 @@ class ChaosCallback(ControllerCallback):
         self.hosts = hosts
         self.print = printer or (lambda line: print(line, flush=True))
         self._caused: dict[str, float] = {}  # node id -> when a fault killed or stopped it (controller clock)
+        self._slow_nodes: dict[Fault, str] = {}  # slow-step fault -> the node it names (in the first group)
 
     def test_hooks(self, view, hosts: int) -> dict[int, HookRef]:
         """A `HostFaults` hook for each host of a new group that must hang in a phase or straggle.
@@ -156,11 +173,25 @@ class ChaosCallback(ControllerCallback):
         save = {f.host_in(hosts): f.step for f in hangs if f.phase == "save"}
         phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.injector.slow_hosts().items()}
+        slow_step = self._slow_step_hosts(view)
         hooks = {}
-        for i in sorted({*save, *phase, *slow}):
+        for i in sorted({*save, *phase, *slow, *slow_step}):
             args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
+            if i in slow_step:
+                args["slow_step"] = slow_step[i]
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
+
+    def _slow_step_hosts(self, view) -> dict[int, tuple[int, float]]:
+        """Each slow node's index in the group starting now: (from step, factor). A slow-step
+        fault names host H of the first group; its node stays slow in every group it is in."""
+        nodes = list(view.group.node_ids)
+        out = {}
+        for fault in self.injector.slow_steps():
+            node = self._slow_nodes.setdefault(fault, nodes[fault.host_in(len(nodes))])
+            if node in nodes:
+                out[nodes.index(node)] = (fault.step, fault.factor)
+        return out
 
     def on_state(self, view, previous, state) -> None:
         if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING and state.recovery is not None:
@@ -216,12 +247,15 @@ class ChaosCallback(ControllerCallback):
 
 class HostFaults(FaultHook):
     """The worker's side: hang as a phase begins or instead of a save (until the controller kills
-    the host), or read input `SLOW_INPUT_SECONDS` slower from a step on (a straggler)."""
+    the host), read input `SLOW_INPUT_SECONDS` slower from a step on, or do each step's work F
+    times as long (a straggler)."""
 
     def __init__(self, report, hang_in: str | None = None, hang_before_save: int | None = None,
-                 slow_input_from: int | None = None):  # fmt: skip
+                 slow_input_from: int | None = None, slow_step: tuple[int, float] | None = None):  # fmt: skip
         self.report, self.hang_in = report, hang_in
         self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
+        self.slow_step = slow_step  # (from step, factor)
+        self._step_work: float | None = None  # a healthy step's seconds, read once the slowness begins
 
     def entering(self, phase: str) -> None:
         if phase == self.hang_in:
@@ -237,6 +271,16 @@ class HostFaults(FaultHook):
     def input_read(self, step: int) -> None:
         if self.slow_input_from is not None and step >= self.slow_input_from:
             time.sleep(SLOW_INPUT_SECONDS)
+
+    def step_work(self, step: int, read_back) -> None:
+        """From the slow step on, this host finishes each step's work (F - 1) healthy steps'
+        time late: the others wait for it in the next step's collectives."""
+        if self.slow_step is None or step < self.slow_step[0]:
+            return
+        seconds = read_back()
+        if self._step_work is None:
+            self._step_work = seconds  # (the first slow step's own time: the slowness begins after it)
+        time.sleep((self.slow_step[1] - 1) * self._step_work)
 
     def _hang(self, phase: str, step: int | None = None) -> None:
         self.report(Hang(phase=phase, step=step))

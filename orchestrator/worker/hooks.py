@@ -81,7 +81,8 @@ def closing(hooks: Sequence[Hook]):
 
 class FaultHook:
     """Where tests inject faults into a segment (orchestrator/chaos.py implements one); here it does
-    nothing. A segment calls it as each phase begins, before each save, and after each batch."""
+        nothing. A segment calls it as each phase begins, before each save, after each batch and after
+    each step's dispatch."""
 
     def entering(self, phase: str) -> None:
         """`phase` ("start", "compile", "restore") begins."""
@@ -91,6 +92,10 @@ class FaultHook:
 
     def input_read(self, step: int) -> None:
         """`step`'s batch is read; the time until it is dispatched counts as input time."""
+
+    def step_work(self, step: int, read_back: Callable[[], float]) -> None:
+        """`step` is dispatched; time spent here is this host's own work on it (`read_back()`
+        waits for the step and returns its seconds)."""
 
 
 def load_fault_hook(ref: HookRef | None, report: Reporter) -> FaultHook:

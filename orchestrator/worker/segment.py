@@ -154,7 +154,9 @@ def _compile_beside_restore(loaded: _Loaded, spec, lap: Laps, fault: FaultHook, 
 class StepReports:
     """Steps dispatched whose metrics are read back after the next step is dispatched, so the
     device is never idle while the host waits for them. A step's report holds the input waits
-    (`waited`) and peer-snapshot copies (`copied`) since the report before it."""
+    (`waited`), peer-snapshot copies (`copied`) and the time blocked on the devices and the peers
+    (`blocked`: dispatching a step, reading one back, agreeing on a stop) since the report before
+    it."""
 
     def __init__(self, lap: Laps, tokens: int, model_flops: float, peak: float, on_step: Callable[[Step], None]):
         self._lap, self._tokens, self._flops, self._peak, self._on_step = lap, tokens, model_flops, peak, on_step
@@ -162,6 +164,7 @@ class StepReports:
         self.seconds = 0.0  # the last step's time, read back
         self.waited = 0.0
         self.copied = 0.0
+        self.blocked = 0.0
 
     def dispatched(self, step: int, metrics, snapshot_every: int) -> None:
         self.read_back()
@@ -179,13 +182,15 @@ class StepReports:
         import jax
 
         (step, metrics, snapshot_every), self._pending = self._pending, None
+        t = time.time()
         values = scalar_metrics(jax.device_get(metrics))
+        self.blocked += time.time() - t
         seconds, now = self._lap.split()
         waited = min(self.waited, seconds)
         copied = min(self.copied, max(seconds - waited, 0.0))
-        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; what
-        # each host waited for besides its input can (blocked in dispatch or in the read-back, as
-        # the backend decides where): the straggler waits least, the others for it.
+        # SPMD hosts finish each step together, so step time alone cannot tell a straggler; the
+        # time each host spent blocked on the devices and its peers can (in dispatch or in the
+        # read-back, as the backend decides where): the straggler waits least, the others for it.
         report = self._lap(
             Step,
             now=now,
@@ -196,10 +201,10 @@ class StepReports:
             mfu=self._flops / (seconds * self._peak),
             input_seconds=waited,
             snapshot_seconds=copied,
-            wait_seconds=max(seconds - self.waited - self.copied, 0.0),
+            wait_seconds=min(self.blocked, max(seconds - waited - copied, 0.0)),
             snapshot_every=snapshot_every,
         )
-        self.seconds, self.waited, self.copied = report.seconds, 0.0, 0.0
+        self.seconds, self.waited, self.copied, self.blocked = report.seconds, 0.0, 0.0, 0.0
         self._on_step(report)
 
 
@@ -253,10 +258,13 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
         t_input = time.time()
         batch = inputs.take(index)
         fault.input_read(index + 1)
-        reports.waited += time.time() - t_input
+        t_dispatch = time.time()
+        reports.waited += t_dispatch - t_input
         state, metrics = step_fn(state, batch)
+        reports.blocked += time.time() - t_dispatch
         reports.dispatched(index + 1, metrics, agreement.snapshot_every)
         reached = index + 1
+        fault.step_work(reached, reports.read_back_seconds)
         done = StepDispatched(reached, state, boundary=reached % spec.checkpoint.every == 0 or reached == spec.steps,
                               last=reached == spec.steps, read_back=reports.read_back_seconds, unsaved=unsaved)  # fmt: skip
         if index == first or any(h.wants_state(reached, done.boundary) for h in hooks):
@@ -266,7 +274,9 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
             # it ends a recovery, which is over once that step is done, not once the next one is
             # dispatched.
             reports.read_back()
+        t_agree = time.time()
         done.stop = agreement.agree(reached, done.boundary, reports.seconds)
+        reports.blocked += time.time() - t_agree  # (a collective of the hosts: waiting for the slowest)
         if done.stop is Stop.NOW:  # likewise, before the save of the step reached
             reports.read_back()
         done.step_seconds, done.snapshot_every = reports.seconds, agreement.snapshot_every  # known once agreed

@@ -67,3 +67,13 @@ def test_a_loss_is_read_from_the_nodes_gone_and_the_slices_they_break():
     loss = read_loss(nodes, [1], alive=nodes, live=nodes)
     assert (loss.hosts, loss.processes, loss.dead) == ([1], [], 0)
     assert FailurePolicy(2, 4).on_failure(loss.failure(4, 4, 0)) == Restart(4, "1 process(es) died on live hosts")
+
+
+def test_slow_step_takes_a_host_and_a_factor():
+    faults = parse_chaos("slow-step@20:2x3,slow-step@5")
+    assert faults == (Fault("slow-step", 5, (), 3.0), Fault("slow-step", 20, (2,), 3.0))
+    assert str(faults[1]) == "slow-step@20:2x3" and parse_chaos("slow-step@7:1x1.5")[0].factor == 1.5
+    assert ChaosInjector(faults).slow_steps() == list(faults) and ChaosInjector(faults).due(100) == []
+    for bad in ("slow-step@20:2x1", "slow@20:2x3", "lose@3x2", "slow-step@20:1+2"):
+        with pytest.raises(ChaosSpecError):
+            parse_chaos(bad)
