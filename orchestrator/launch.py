@@ -16,7 +16,9 @@ from collections.abc import Callable
 
 from .control.controller import ControllerConfig, JobController
 from .control.fleet_following import FleetFollowing
+from .control.health import HealthyScaling, Quarantine, StragglerConfig, StragglerWatch
 from .control.planning import PlanCache, program_fingerprint
+from .control.policies import ScalingPolicy
 from .dashboard.store import FleetStoreConfig
 from .fleet.cluster import FleetCluster
 from .hosts.interface import Cluster, EmulatedHosts
@@ -74,12 +76,32 @@ def run_job(
 
             callbacks.append(ChaosCallback(faults, printer, hosts=where.emulated))
         scaling = FleetFollowing(job.hosts.min, where.fleet) if where.fleet is not None else None
+        cluster, scaling = _health(job, cluster, scaling, plans, callbacks)
         controller = JobController(job, cluster, plans=plans, config=config, callbacks=callbacks, scaling=scaling,
                                    model_flops=model_flops, committed=committed, snapshots=keepers,
                                    standby=standby)  # fmt: skip
         with _stop_on_signals(controller):
             controller.run()
     return summary.summary
+
+
+def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list):
+    """The health loop, as the job file's `[health]` says: its watch among the callbacks, and the
+    cluster and scaling policy the controller gets with it (unchanged where it is off)."""
+    if job.health.stragglers == "off":
+        return cluster, scaling
+    watch = StragglerWatch(StragglerConfig(mode=job.health.stragglers))
+    callbacks.append(watch)
+    quarantine = Quarantine(cluster)
+    inner = scaling or ScalingPolicy(job.hosts.min, job.hosts.max)
+    return quarantine, HealthyScaling(inner, watch, quarantine, lambda d: _predicted(plans, d), job.hosts.min)
+
+
+def _predicted(plans: PlanCache, devices: int) -> float:
+    """A plan's predicted step seconds on `devices`; a plan with no price (by shapes alone) scales
+    as its devices do."""
+    seconds = getattr(getattr(plans.plan(devices).plan, "cost", None), "total_seconds", 0.0)
+    return seconds if seconds and seconds > 0 else 1.0 / devices
 
 
 def job_planner(job: JobSpec, step, state, batch, layout=None):

@@ -365,11 +365,13 @@ class JobController:
         if self.standby is not None and state.segment.first_step is not None:
             self.ahead.refill(alive())  # a host that joined gets its standby actor
         decision = self.scaling.while_running(self.view, state, alive)
+        if isinstance(decision, policies.Warn):
+            self._event(decision.event, reason=decision.reason, **decision.fields)
         if not isinstance(decision, policies.Resize):
             return state
         if decision.hosts < state.target:
             self._shrunk_at = self.step_reached  # updated as the group reports steps up to its stop
-        self._event(decision.event, hosts=decision.hosts, reason=decision.reason)
+        self._event(decision.event, hosts=decision.hosts, reason=decision.reason, **decision.fields)
         self.group.request_stop(now=decision.at_once)
         return dataclasses.replace(state, resize=decision, target=decision.hosts)
 

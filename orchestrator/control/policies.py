@@ -27,6 +27,16 @@ class Resize:
     reason: str
     event: str | None = None  # what the run summary says of a resize decided while a group trains
     at_once: bool = False  # stop the group at its next step boundary, not its next checkpoint
+    fields: dict = dataclasses.field(default_factory=dict)  # the event's evidence, beside hosts and reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Warn:
+    """Nothing to change, something to say: an event (the health loop's, where it does not act)."""
+
+    event: str
+    reason: str
+    fields: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +80,7 @@ class Scaling(Protocol):
         hosts (controller clock)."""
         ...
 
-    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize:
+    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize | Warn:
         """Whether the training group (`state`, a `Running`) should resize; `alive()`: the hosts
         the cluster offers now (a round trip to the cluster: asked only where it decides)."""
         ...

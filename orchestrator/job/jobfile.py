@@ -22,6 +22,9 @@
     keep_every = 1000              # optional: also keep every step divisible by this, forever
     snapshot_time_share = 0.05     # optional: share of step time for peer snapshots in host memory; 0: none
     snapshot_every = 0             # optional: a peer snapshot every so many steps, whatever it costs; 0: by budget
+    [health]                       # optional: the health loop (orchestrator/control/health.py)
+    stragglers = "act"             # "act": go on without a slow host where predicted faster; "warn"; "off"
+    digest_every = 0               # steps between the replicas' state digests; 0: as often as costs 1% of a step
     [options]                      # optional, free: handed to a program factory (`JobSettings.options`)
     train_tokens = ["data/train.bin"]
 
@@ -66,6 +69,15 @@ class CheckpointSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class HealthSpec:
+    """The `[health]` table: what the health loop does of a slow host (`stragglers`), and how
+    often the replicas' state is compared (`digest_every` steps; 0: as often as costs 1%)."""
+
+    stragglers: str = "act"
+    digest_every: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     name: str
     program: str
@@ -82,6 +94,7 @@ class JobSpec:
     # "auto": the planner pipelines the step's layer scan where predicted faster; "off"; or a
     # number of stages (re-planned at each resize to the nearest count that fits).
     pipeline: str | int = "auto"
+    health: HealthSpec = HealthSpec()
 
     def settings(self):
         """What a program factory is given (`program.JobSettings`)."""
@@ -106,6 +119,8 @@ class JobSpec:
 
 
 PLANNERS = ("fast", "thorough", "shapes")
+STRAGGLER_MODES = ("act", "warn", "off")
+_HEALTH: dict[str, Any] = {"stragglers": (str, "act"), "digest_every": (int, 0)}
 
 _SCHEMA: dict[str, Any] = {
     "name": str,
@@ -170,6 +185,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
     raw = _renamed(dict(raw), source)
     options = _options(raw.pop("options", {}), source)
     pipeline = _pipeline(raw.pop("pipeline", "auto"), source)
+    health = _health(raw.pop("health", {}), source)
     values = _check(raw, _SCHEMA, prefix="", source=source)
     hosts = HostsSpec(**values["hosts"])
     ckpt = values["checkpoint"]
@@ -188,9 +204,28 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".", source: str = "<jo
         checkpoint=CheckpointSpec(**ckpt),
         options=options,
         pipeline=pipeline,
+        health=health,
     )
     _check_values(job, source)
     return job
+
+
+def _health(raw: Any, source: str) -> HealthSpec:
+    """The optional `[health]` table."""
+    if not isinstance(raw, dict):
+        raise JobFileError(f"{source}: health must be a table ([health]), got {type(raw).__name__} {raw!r}")
+    spec = HealthSpec(**_check(raw, _HEALTH, prefix="health.", source=source))
+    if spec.stragglers not in STRAGGLER_MODES:
+        raise JobFileError(
+            f"{source}: key health.stragglers must be one of {', '.join(STRAGGLER_MODES)}, got {spec.stragglers!r}; "
+            '"act" goes on without a slow host where that is predicted faster, "warn" only says so'
+        )
+    if spec.digest_every < 0:
+        raise JobFileError(
+            f"{source}: key health.digest_every must be 0 (as often as costs 1% of a step) or a number of steps, "
+            f"got {spec.digest_every}"
+        )
+    return spec
 
 
 def _pipeline(value: Any, source: str) -> str | int:

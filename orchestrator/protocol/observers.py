@@ -22,6 +22,10 @@ class EventKind(enum.StrEnum):
     GROW = "grow"  # more hosts reserved for it: grows at the next checkpoint boundary
     SUSPEND = "suspend"  # every host asked back: commits the step reached and queues
     ADMITTED = "admitted"  # hosts granted after waiting
+    # The health loop's (control/health.py), each with the host, the evidence and the action:
+    STRAGGLER = "straggler"  # a host slower than its peers: excluded, or warned of
+    HANG = "hang"  # a step that does not finish while every host answers
+    CORRUPTION = "corruption"  # replicas that should be equal are not, or a loss spike
 
 
 EVENT_KINDS = (*EventKind, *(kind for kind, cls in REPORTS.items() if cls.EVENT))

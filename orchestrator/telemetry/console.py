@@ -132,6 +132,10 @@ class ConsoleCallback(ControllerCallback):
                 + f" ({f['detail']})"
             ),
             EventKind.HOST_ADDED: lambda: f"grow  {f['reason']}: resizing to {f['hosts']} hosts at the next checkpoint",
+            EventKind.STRAGGLER: lambda: (
+                f"slow  after step {step}: {f['reason']}"
+                + (f"; resizing to {f['hosts']} hosts now" if f.get("action") == "excluded" else "")
+            ),
             ReportKind.RESTORE: lambda: (
                 f"      restored step {step} from "
                 f"{'host memory' if f.get('source') == 'memory' else 'disk'} in {event.seconds:.2f} s"

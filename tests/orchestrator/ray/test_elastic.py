@@ -56,6 +56,11 @@ def elastic(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def straggler(tmp_path_factory):
+    return run_job(tmp_path_factory, "straggler", 40, "slow-step@20:2x3")
+
+
+@pytest.fixture(scope="module")
 def coordinator_lost(tmp_path_factory):
     return run_job(tmp_path_factory, "coordinator", 60, "lose@30:0")
 
@@ -121,6 +126,23 @@ def test_host_loss_recovers_with_parts_recorded(elastic):
     # add@60 fires once step 60 is reported; if the new host is seen before the step-60 checkpoint
     # consensus the job grows at that very boundary, otherwise at a later one.
     assert grown_from % 10 == 0 and 60 <= grown_from < 100
+
+
+def test_a_slow_host_is_named_and_the_job_goes_on_without_it_with_the_static_losses(straggler, static):
+    assert straggler["state"] == "finished" and straggler["steps_completed"] == 40
+    (slow,) = kinds(straggler, "straggler")
+    assert slow["host"] == 2 and slow["action"] == "excluded" and slow["hosts"] == 3, slow
+    evidence = slow["evidence"]
+    assert 20 < evidence["steps"][0] and evidence["steps"][-1] <= 25, evidence  # named within 5 steps of 20
+    assert evidence["own_wait_seconds"] < evidence["others_wait_seconds"]  # the straggler waits least
+    assert slow["without_seconds"] < slow["staying_seconds"]
+    assert [s["hosts"] for s in straggler["segments"]] == [4, 3]
+    assert straggler["segments"][1]["first_step"] == straggler["segments"][0]["last_step"] + 1
+    assert_same_losses(straggler, static)
+    assert_restores_are_bitwise(straggler)
+    (restore,) = kinds(straggler, "restore")[-1:]
+    assert restore["recomputed"] == 0 and restore["step"] >= restore["committed"]  # nothing lost
+    assert "slow  after step" in straggler["_stdout"] and "resizing to 3 hosts now" in straggler["_stdout"]
 
 
 # The coordinator's loss and a loss in a save are runs of their own, and the fault storm has

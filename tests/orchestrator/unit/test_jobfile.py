@@ -1,6 +1,7 @@
 import pytest
 
 from orchestrator import JobFileError, load_job, parse_job
+from orchestrator.job.jobfile import HealthSpec
 
 GOOD = {
     "name": "j",
@@ -108,3 +109,15 @@ def test_pipeline_key_takes_auto_off_or_a_stage_count():
     for bad in (1, "yes", True, 2.0):
         with pytest.raises(JobFileError, match='key pipeline must be "auto", "off" or a number of stages'):
             parse_job(with_(pipeline=bad))
+
+
+def test_health_table_takes_a_straggler_mode_and_a_digest_interval():
+    assert parse_job(GOOD).health == HealthSpec("act", 0)
+    job = parse_job(with_(health={"stragglers": "warn", "digest_every": 50}))
+    assert job.health == HealthSpec("warn", 50)
+    with pytest.raises(JobFileError, match="key health.stragglers must be one of act, warn, off"):
+        parse_job(with_(health={"stragglers": "evict"}))
+    with pytest.raises(JobFileError, match="key health.digest_every must be 0"):
+        parse_job(with_(health={"digest_every": -1}))
+    with pytest.raises(JobFileError, match="unknown key health.straglers"):
+        parse_job(with_(health={"straglers": "act"}))

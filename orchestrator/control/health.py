@@ -1,0 +1,267 @@
+"""The health loop: a host that is slow without dying, found from what every host reports each
+step, and the job going on without it where that is predicted faster.
+
+Two parts, as everywhere in the controller: `StragglerWatch` is a callback that reads each host's
+step reports and names a straggler with its evidence; `HealthyScaling` is the scaling policy that
+decides what to do of it (exclude the host, or warn) and otherwise asks the job's own scaling
+policy. The exclusion is carried out by transitions that exist already: the host is set aside in
+the `Quarantine` (a view of the cluster without it) and the job resizes at once onto the hosts
+left, restoring from the peer snapshots as after a shrink.
+
+How a straggler is told. In SPMD every host's step takes the same time, so step time names
+nobody; the time each host spends blocked on the devices and its peers does: the others wait for
+the straggler in every step's collectives, and it waits least (`Step.wait_seconds`). A host leads
+a step when the others' median wait exceeds its own by `lead` of the step's time; it is named when
+it leads `persist` of the last `window` steps. A single stall (a save, a collection, one slow
+batch) leads one step, not four of five; jitter leads none by that margin. Slow steps led by
+different hosts are slowness that follows the data (an imbalanced batch), not a host: nobody is
+named.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+
+from ..hosts.interface import Cluster, Placement
+from ..protocol import ControllerCallback, EventKind, Step
+from . import policies
+
+MODES = ("act", "warn", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerConfig:
+    """`mode`: "act" (exclude the host where predicted faster), "warn" (say so only), "off"."""
+
+    mode: str = "act"
+    window: int = 5  # the steps a host is judged over
+    persist: int = 4  # of them, how many it must lead
+    lead: float = 0.25  # the others' median wait beyond its own, as a share of the step's time
+    gain: float = 0.95  # act where the hosts left are predicted at most this share of staying's step time
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+    """A host named: its index in the group, its node, and the evidence."""
+
+    host: int
+    node: str
+    steps: tuple[int, ...]  # the steps it led
+    lead_share: float  # its median lead over those steps, a share of the step's time
+    step_seconds: float  # the group's median step time over the window
+    others_wait: float  # the others' median wait per step (seconds)
+    own_wait: float  # its own
+    healthy_seconds: float | None  # the group's median step time over its latest steps nobody led
+
+    def evidence(self) -> dict:
+        return {
+            "steps": list(self.steps),
+            "lead_share": round(self.lead_share, 3),
+            "step_seconds": round(self.step_seconds, 4),
+            "others_wait_seconds": round(self.others_wait, 4),
+            "own_wait_seconds": round(self.own_wait, 4),
+            "healthy_step_seconds": None if self.healthy_seconds is None else round(self.healthy_seconds, 4),
+        }
+
+    @property
+    def pace(self) -> float:
+        """A step's seconds were the host not slow: the pace before it was, else the step less the
+        others' wait for it."""
+        if self.healthy_seconds is not None:
+            return self.healthy_seconds
+        return max(self.step_seconds - (self.others_wait - self.own_wait), 1e-9)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judged:
+    step: int
+    seconds: float
+    leader: int | None  # the host that led the step, if any did by `lead`
+    share: float
+    waits: dict[int, float]
+
+
+class StragglerWatch(ControllerCallback):
+    """Reads every host's step reports; `named()` is the straggler found, if any (once each)."""
+
+    def __init__(self, config: StragglerConfig = StragglerConfig()):
+        self.config = config
+        self._steps: dict[int, dict[int, Step]] = {}  # step -> host -> report, for the group training now
+        self._judged: collections.deque[_Judged] = collections.deque(maxlen=config.window)
+        self._healthy: collections.deque[float] = collections.deque(maxlen=9)  # seconds of steps nobody led
+        self._segment: int | None = None
+        self._named: Straggler | None = None
+        self.imbalanced: tuple[int, ...] = ()  # the latest window of slow steps led by different hosts
+
+    def on_report(self, view, host: int, report, speaker: bool) -> None:
+        if self.config.mode == "off" or not isinstance(report, Step) or view.group is None:
+            return
+        segment = view.segment
+        if segment is None or segment.first_step is None or report.step <= segment.first_step:
+            return  # a group's first step waits for its peers and its compile: no evidence
+        if segment.index != self._segment:
+            self._segment, self._steps, self._named = segment.index, {}, None
+            self._judged.clear()
+            self._healthy.clear()
+        seen = self._steps.setdefault(report.step, {})
+        seen[host] = report
+        if len(seen) == view.group.size:
+            self._judge(self._steps.pop(report.step), view.group.node_ids)
+
+    def named(self) -> Straggler | None:
+        """The straggler named since last asked, if any."""
+        named, self._named = self._named, None
+        return named
+
+    def _judge(self, reports: dict[int, Step], nodes: Sequence[str]) -> None:
+        if len(reports) < 3:
+            return  # with two hosts, which of them waits less says nothing of which is slow
+        seconds = statistics.median(r.seconds for r in reports.values())
+        waits = {h: r.wait_seconds for h, r in reports.items()}
+        leads = {h: statistics.median(w for o, w in waits.items() if o != h) - waits[h] for h in waits}
+        leader = max(leads, key=leads.get)
+        share = leads[leader] / max(seconds, 1e-9)
+        step = next(iter(reports.values())).step
+        led = share >= self.config.lead
+        self._judged.append(_Judged(step, seconds, leader if led else None, share, waits))
+        if not led:
+            self._healthy.append(seconds)
+        self._name(nodes)
+
+    def _name(self, nodes: Sequence[str]) -> None:
+        led = [j for j in self._judged if j.leader is not None]
+        if len(led) < self.config.persist:
+            return
+        counts = collections.Counter(j.leader for j in led)
+        host, times = counts.most_common(1)[0]
+        if times < self.config.persist:
+            self.imbalanced = tuple(j.step for j in led)  # slow steps, but not one host's: the data's
+            return
+        mine = [j for j in led if j.leader == host]
+        self._named = Straggler(
+            host,
+            nodes[host],
+            tuple(j.step for j in mine),
+            statistics.median(j.share for j in mine),
+            statistics.median(j.seconds for j in self._judged),
+            statistics.median(statistics.median(w for o, w in j.waits.items() if o != host) for j in mine),
+            statistics.median(j.waits[host] for j in mine),
+            statistics.median(self._healthy) if self._healthy else None,
+        )
+        self._judged.clear()  # judged afresh from here: one naming per spell
+
+
+class Quarantine(Cluster):
+    """`cluster` without the hosts set aside: a group is placed on the others. A host set aside
+    comes back (`release`) once it passes its probe."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.excluded: dict[str, str] = {}  # node -> why
+
+    def exclude(self, node: str, why: str) -> None:
+        self.excluded[node] = why
+
+    def release(self, node: str) -> None:
+        self.excluded.pop(node, None)
+
+    def alive_hosts(self) -> list[str]:
+        return [n for n in self.cluster.alive_hosts() if n not in self.excluded]
+
+    def live_hosts(self) -> list[str]:
+        return self.cluster.live_hosts()  # (an excluded host's keeper still holds its snapshots)
+
+    def slice_of(self) -> dict[str, str]:
+        return self.cluster.slice_of()
+
+    def loss_unit(self, hosts: int) -> int:
+        return self.cluster.loss_unit(hosts)
+
+    def host_env(self) -> dict[str, str]:
+        return self.cluster.host_env()
+
+    def placement(self, hosts: int) -> Placement:
+        if not self.excluded:
+            return self.cluster.placement(hosts)
+        return self.cluster.placement_on(self.alive_hosts()[:hosts])
+
+    def placement_on(self, nodes: Sequence[str]) -> Placement:
+        return self.cluster.placement_on(nodes)
+
+    def cluster_hosts(self) -> int:
+        return self.cluster.cluster_hosts()
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class Exclude:
+    """What `HealthyScaling` decided of a straggler, for the event that records it."""
+
+    straggler: Straggler
+    action: str  # "excluded" | "warned"
+    staying: float  # seconds a step, predicted staying on every host
+    without: float | None  # seconds a step on the hosts left, predicted (None: not asked)
+
+
+class HealthyScaling(policies.Scaling):
+    """The job's scaling policy (`inner`), with the health loop's decisions first: a straggler
+    named by `watch` is excluded from the group (through `quarantine`) where the hosts left are
+    predicted faster than staying (`predict(devices)`: a plan's predicted step seconds), else
+    warned of."""
+
+    def __init__(self, inner: policies.Scaling, watch: StragglerWatch, quarantine: Quarantine,
+                 predict: Callable[[int], float], min_hosts: int):  # fmt: skip
+        self.inner, self.watch, self.quarantine, self.predict, self.min_hosts = (
+            inner, watch, quarantine, predict, min_hosts,
+        )  # fmt: skip
+
+    def attach(self, view) -> None:
+        self.inner.attach(view)
+
+    def admit(self, view, wanted: int | None, since: float):
+        return self.inner.admit(view, wanted, since)
+
+    def status(self) -> str:
+        return self.inner.status()
+
+    def while_running(self, view, state, alive):
+        found = self.watch.named()
+        if found is None or state.resize:
+            return self.inner.while_running(view, state, alive)
+        decided = self._decide(view, state, found)
+        fields = {"host": found.host, "node": found.node, "evidence": found.evidence(), "action": decided.action,
+                  "staying_seconds": round(decided.staying, 4)}  # fmt: skip
+        if decided.without is not None:
+            fields["without_seconds"] = round(decided.without, 4)
+        if decided.action == "warned":
+            return policies.Warn(EventKind.STRAGGLER, self._why(found, decided), fields)
+        self.quarantine.exclude(found.node, f"straggler at step {found.steps[-1]}")
+        return policies.Resize(state.target - 1, self._why(found, decided), EventKind.STRAGGLER, at_once=True,
+                               fields=fields)  # fmt: skip
+
+    def _decide(self, view, state, found: Straggler) -> Exclude:
+        staying = found.step_seconds
+        if self.watch.config.mode != "act" or state.target - 1 < self.min_hosts:
+            return Exclude(found, "warned", staying, None)
+        devices = view.job.hosts.devices_per_host
+        # The step at the pace before the host was slow, scaled as the planner prices the
+        # smaller mesh against this one.
+        ratio = self.predict((state.target - 1) * devices) / self.predict(state.target * devices)
+        without = found.pace * ratio
+        action = "excluded" if without <= self.watch.config.gain * staying else "warned"
+        return Exclude(found, action, staying, without)
+
+    @staticmethod
+    def _why(found: Straggler, decided: Exclude) -> str:
+        said = (f"host {found.host} is slow: the others waited {found.lead_share:.0%} of each step for it in "
+                f"{len(found.steps)} of the last steps")  # fmt: skip
+        if decided.without is None:
+            return said
+        verdict = "so the job goes on without it" if decided.action == "excluded" else "staying is faster"
+        return (f"{said}; predicted {decided.without:.3g} s a step without it against {decided.staying:.3g} s "
+                f"staying, {verdict}")  # fmt: skip

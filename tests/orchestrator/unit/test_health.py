@@ -1,0 +1,134 @@
+"""The health loop's straggler watch and its policy, on the signal SPMD hosts report: every host's
+step takes the group's time, and each waits on the devices and its peers for whatever of it is not
+its own work (`Step.wait_seconds`), so the straggler waits least."""
+
+import random
+import types
+
+import pytest
+
+from orchestrator.control import policies
+from orchestrator.control.health import HealthyScaling, Quarantine, StragglerConfig, StragglerWatch
+from orchestrator.control.state import Running, Segment
+from orchestrator.protocol import EventKind, Step
+
+NODES = ("n0", "n1", "n2", "n3")
+
+
+def _view(size: int = 4, segment: int = 0):
+    seg = Segment(segment, {"data": size}, size, size, "", 0.0, 0.0, first_step=1)
+    group = types.SimpleNamespace(size=size, node_ids=NODES[:size])
+    return types.SimpleNamespace(group=group, segment=seg, job=types.SimpleNamespace(hosts=types.SimpleNamespace(
+        devices_per_host=2)))  # fmt: skip
+
+
+def _feed(watch: StragglerWatch, view, step: int, work: dict[int, float]) -> None:
+    """One step of SPMD hosts whose own work on it takes `work[h]` seconds: the step ends when the
+    slowest is done, and each host waits the rest."""
+    seconds = max(work.values()) + 0.01
+    for host, w in work.items():
+        report = Step(seconds=seconds, at=float(step), step=step, loss=1.0, wait_seconds=seconds - w)
+        watch.on_report(view, host, report, host == 0)
+
+
+def test_a_host_three_times_slower_is_named_within_five_steps():
+    watch, view = StragglerWatch(), _view()
+    for step in range(2, 20):
+        _feed(watch, view, step, {h: 0.4 for h in range(4)})
+    assert watch.named() is None
+    for step in range(20, 25):
+        _feed(watch, view, step, {0: 0.4, 1: 0.4, 2: 1.2, 3: 0.4})
+        found = watch.named()
+        if found:
+            break
+    assert found is not None and found.host == 2 and found.node == "n2", found
+    assert found.steps[0] >= 20 and step - 20 < 5
+    assert found.healthy_seconds == pytest.approx(0.41)  # the pace before host 2 was slow
+    assert found.lead_share > 0.6
+
+
+def test_jitter_and_one_long_stall_name_nobody():
+    rng = random.Random(7)
+    watch, view = StragglerWatch(), _view()
+    for step in range(2, 302):
+        work = {h: 0.4 * rng.uniform(0.8, 1.2) for h in range(4)}
+        if step == 150:
+            work[1] = 5.0  # one 5 s stall of one host
+        _feed(watch, view, step, work)
+        assert watch.named() is None, step
+
+
+def test_slowness_that_follows_the_data_names_nobody():
+    watch, view = StragglerWatch(), _view()
+    for step in range(2, 40):
+        heavy = step % 4  # the heavy shard lands on another host each step
+        _feed(watch, view, step, {h: (1.2 if h == heavy else 0.4) for h in range(4)})
+        assert watch.named() is None, step
+    assert watch.imbalanced  # seen, and said to be the data's
+
+
+def test_a_new_group_is_judged_afresh():
+    watch, view = StragglerWatch(), _view()
+    for step in range(2, 5):
+        _feed(watch, view, step, {0: 0.4, 1: 0.4, 2: 1.2, 3: 0.4})
+    later = _view(segment=1)
+    for step in range(5, 7):
+        _feed(watch, later, step, {0: 0.4, 1: 0.4, 2: 1.2, 3: 0.4})
+    assert watch.named() is None  # three slow steps in one group and two in the next are not four
+
+
+def test_off_reads_nothing():
+    watch, view = StragglerWatch(StragglerConfig(mode="off")), _view()
+    for step in range(2, 12):
+        _feed(watch, view, step, {0: 0.4, 1: 0.4, 2: 1.2, 3: 0.4})
+    assert watch.named() is None
+
+
+class _Cluster:
+    def alive_hosts(self):
+        return list(NODES)
+
+    def placement(self, hosts):
+        return "any"
+
+    def placement_on(self, nodes):
+        return list(nodes)
+
+
+def _named_watch(mode: str) -> StragglerWatch:
+    watch, view = StragglerWatch(StragglerConfig(mode=mode)), _view()
+    for step in range(2, 12):
+        _feed(watch, view, step, {0: 0.4, 1: 0.4, 2: 1.2, 3: 0.4} if step > 5 else {h: 0.4 for h in range(4)})
+    return watch
+
+
+def _running(target: int = 4) -> Running:
+    return Running(Segment(0, {}, target, target * 2, "", 0.0, 0.0), target, 0)
+
+
+def test_act_excludes_the_host_where_the_hosts_left_are_predicted_faster():
+    watch, quarantine = _named_watch("act"), Quarantine(_Cluster())
+    scaling = HealthyScaling(policies.ScalingPolicy(2, 4), watch, quarantine, lambda d: 1.0 / d, 2)
+    decision = scaling.while_running(_view(), _running(), lambda: quarantine.alive_hosts())
+    assert isinstance(decision, policies.Resize) and decision.at_once
+    assert decision.hosts == 3 and decision.event == EventKind.STRAGGLER
+    assert decision.fields["host"] == 2 and decision.fields["action"] == "excluded"
+    assert decision.fields["without_seconds"] < decision.fields["staying_seconds"]
+    assert quarantine.alive_hosts() == ["n0", "n1", "n3"]
+    assert quarantine.placement(3) == ["n0", "n1", "n3"]  # the next group is placed without it
+
+
+def test_staying_is_kept_where_it_is_predicted_faster_and_warn_only_warns():
+    for mode, predict in (("act", lambda d: 1.0 if d == 8 else 4.0), ("warn", lambda d: 1.0 / d)):
+        watch, quarantine = _named_watch(mode), Quarantine(_Cluster())
+        scaling = HealthyScaling(policies.ScalingPolicy(2, 4), watch, quarantine, predict, 2)
+        decision = scaling.while_running(_view(), _running(), quarantine.alive_hosts)
+        assert isinstance(decision, policies.Warn) and decision.event == EventKind.STRAGGLER, mode
+        assert decision.fields["action"] == "warned" and quarantine.alive_hosts() == list(NODES)
+
+
+def test_no_exclusion_below_the_jobs_minimum():
+    watch, quarantine = _named_watch("act"), Quarantine(_Cluster())
+    scaling = HealthyScaling(policies.ScalingPolicy(4, 4), watch, quarantine, lambda d: 1.0 / d, 4)
+    decision = scaling.while_running(_view(), _running(), lambda: quarantine.alive_hosts())
+    assert isinstance(decision, policies.Warn)
