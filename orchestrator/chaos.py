@@ -19,6 +19,8 @@ freeze@S[:H]          after step S is reported, stop host H's process (SIGSTOP):
                       to Ray, that answers nothing
 slow@S[:H]            from step S on, host H's input takes SLOW_INPUT_SECONDS longer each step:
                       a straggler (works on any cluster: nothing is killed)
+hang@S[:H]            host H blocks as it dispatches step S, its actor still answering polls: a
+                      step that never finishes (the health loop finds it; fires once)
 slow-step@S[:H][xF]   from step S on, host H's work on each step takes F times as long (default
                       3): a slow host, the slowness its own, not its input's; it follows the
                       node (a group without it runs at full speed), on any cluster
@@ -34,15 +36,15 @@ from collections.abc import Callable
 
 from .control.state import Phase
 from .hosts.interface import EmulatedHosts
-from .protocol import ControllerCallback, Hang, HookRef
+from .protocol import ControllerCallback, EventKind, Hang, HookRef
 from .worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
-         "slow", "slow-step")  # fmt: skip
+         "slow", "slow-step", "hang")  # fmt: skip
 SLOW_INPUT_SECONDS = 0.3
 SLOW_STEP_FACTOR = 3.0
-ANY_CLUSTER = ("slow", "slow-step")  # kinds that need no control over the cluster's nodes
+ANY_CLUSTER = ("slow", "slow-step", "hang")  # kinds that need no control over the cluster's nodes
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?(?:x(?P<factor>\d+(?:\.\d+)?))?$")
 _FACTOR = ("slow-step",)  # kinds that take xF
 _NO_HOST = ("add", "add-in-recovery")
@@ -139,6 +141,10 @@ class ChaosInjector:
         """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
         return {(f.hosts[0] if f.hosts else None): f.step for f in self._pending if f.kind == "slow"}
 
+    def step_hangs(self) -> list[Fault]:
+        """`hang` faults not fired yet: they ride in every group until a hang is found."""
+        return [f for f in self._pending if f.kind == "hang"]
+
     def slow_steps(self) -> list[Fault]:
         """`slow-step` faults (they never fire: the node they name stays slow)."""
         return [f for f in self._pending if f.kind == "slow-step"]
@@ -174,11 +180,14 @@ class ChaosCallback(ControllerCallback):
         phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.injector.slow_hosts().items()}
         slow_step = self._slow_step_hosts(view)
+        hang = {f.host_in(hosts): f.step for f in self.injector.step_hangs()}
         hooks = {}
-        for i in sorted({*save, *phase, *slow, *slow_step}):
+        for i in sorted({*save, *phase, *slow, *slow_step, *hang}):
             args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
             if i in slow_step:
                 args["slow_step"] = slow_step[i]
+            if i in hang:
+                args["hang_at_step"] = hang[i]
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
 
@@ -198,6 +207,11 @@ class ChaosCallback(ControllerCallback):
             for fault in self.injector.recovery_adds(state.recovery.step):  # a host joins mid-recovery
                 self.print(f"chaos {fault}: adding a host while the new group starts")
                 self.hosts.add_host()
+
+    def on_event(self, view, event) -> None:
+        if event.kind == EventKind.HANG:  # found: a hang fault does not ride in the next group
+            for fault in self.injector.step_hangs():
+                self.injector.fired(fault)
 
     def on_report(self, view, host, report, speaker) -> None:
         if isinstance(report, Hang):  # whichever host hangs is the one to kill
@@ -251,8 +265,9 @@ class HostFaults(FaultHook):
     times as long (a straggler)."""
 
     def __init__(self, report, hang_in: str | None = None, hang_before_save: int | None = None,
-                 slow_input_from: int | None = None, slow_step: tuple[int, float] | None = None):  # fmt: skip
-        self.report, self.hang_in = report, hang_in
+                 slow_input_from: int | None = None, slow_step: tuple[int, float] | None = None,
+                 hang_at_step: int | None = None):  # fmt: skip
+        self.report, self.hang_in, self.hang_at_step = report, hang_in, hang_at_step
         self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
         self.slow_step = slow_step  # (from step, factor)
         self._step_work: float | None = None  # a healthy step's seconds, read once the slowness begins
@@ -271,6 +286,10 @@ class HostFaults(FaultHook):
     def input_read(self, step: int) -> None:
         if self.slow_input_from is not None and step >= self.slow_input_from:
             time.sleep(SLOW_INPUT_SECONDS)
+
+    def dispatching(self, step: int) -> None:
+        if step == self.hang_at_step:
+            threading.Event().wait()  # (the actor answers on; the controller's health loop stops it)
 
     def step_work(self, step: int, read_back) -> None:
         """From the slow step on, this host finishes each step's work (F - 1) healthy steps'

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from .control.controller import ControllerConfig, JobController
 from .control.fleet_following import FleetFollowing
-from .control.health import HealthyScaling, Quarantine, StragglerConfig, StragglerWatch
+from .control.health import HangWatch, HealthyScaling, Quarantine, StragglerConfig, StragglerWatch
 from .control.planning import PlanCache, program_fingerprint
 from .control.policies import ScalingPolicy
 from .dashboard.store import FleetStoreConfig
@@ -86,15 +86,15 @@ def run_job(
 
 
 def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list):
-    """The health loop, as the job file's `[health]` says: its watch among the callbacks, and the
-    cluster and scaling policy the controller gets with it (unchanged where it is off)."""
-    if job.health.stragglers == "off":
-        return cluster, scaling
+    """The health loop, as the job file's `[health]` says: its watches among the callbacks, and
+    the cluster and scaling policy the controller gets with it. Hangs are always watched for;
+    stragglers as `[health] stragglers` says."""
     watch = StragglerWatch(StragglerConfig(mode=job.health.stragglers))
-    callbacks.append(watch)
+    hangs = HangWatch(os.path.join(os.path.dirname(job.checkpoint.dir), "logs"))
+    callbacks += [watch, hangs]
     quarantine = Quarantine(cluster)
     inner = scaling or ScalingPolicy(job.hosts.min, job.hosts.max)
-    return quarantine, HealthyScaling(inner, watch, quarantine, lambda d: _predicted(plans, d), job.hosts.min)
+    return quarantine, HealthyScaling(inner, watch, quarantine, lambda d: _predicted(plans, d), job.hosts.min, hangs)
 
 
 def _predicted(plans: PlanCache, devices: int) -> float:

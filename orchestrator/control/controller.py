@@ -367,6 +367,11 @@ class JobController:
         decision = self.scaling.while_running(self.view, state, alive)
         if isinstance(decision, policies.Warn):
             self._event(decision.event, reason=decision.reason, **decision.fields)
+        if isinstance(decision, policies.Evict):
+            self._event(decision.event, hosts=list(decision.hosts), reason=decision.reason, **decision.fields)
+            nodes = [self.group.node_ids[i] for i in decision.hosts]
+            return self._on_hosts_lost(HostsLostError(list(decision.hosts), nodes, decision.reason, []), state.target,
+                                       state.recovery)  # fmt: skip
         if not isinstance(decision, policies.Resize):
             return state
         if decision.hosts < state.target:

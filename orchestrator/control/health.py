@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from ..hosts.interface import Cluster, Placement
-from ..protocol import ControllerCallback, EventKind, Step
+from ..protocol import ControllerCallback, EventKind, LoopAt, Step
 from . import policies
 
 MODES = ("act", "warn", "off")
@@ -154,6 +154,98 @@ class StragglerWatch(ControllerCallback):
         self._judged.clear()  # judged afresh from here: one naming per spell
 
 
+@dataclasses.dataclass(frozen=True)
+class HangConfig:
+    """A step is hung when no host has reported anything for `multiple` x the median step time,
+    and at least `floor_s` (every host still answering its polls)."""
+
+    multiple: float = 5.0
+    floor_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Hung:
+    """A hung step: the host the others wait on (None where the marks name nobody), and the evidence."""
+
+    host: int | None
+    node: str | None
+    step: int  # the newest step any host began
+    waited: float  # seconds since the group last reported anything
+    threshold: float
+    progress: tuple[dict | None, ...]  # each host's loop mark
+    stacks: str  # the directory the stacks were written to
+
+    def evidence(self) -> dict:
+        return {
+            "waited_seconds": round(self.waited, 3),
+            "threshold_seconds": round(self.threshold, 3),
+            "loops": [p and {"step": p["step"], "where": p["where"]} for p in self.progress],
+            "stacks": self.stacks,
+        }
+
+
+def waited_on(progress: Sequence[dict | None]) -> int | None:
+    """The host a hung step waits on: the one host behind the others, still dispatching the newest
+    step or not at it, while every other host returned from its dispatch; None where that is not
+    one host (every host dispatched: the devices or the collective hang, and the marks cannot tell)."""
+    marks = [(i, p) for i, p in enumerate(progress) if p]
+    if len(marks) < len(progress) or not marks:
+        return None
+    newest = max(p["step"] for _, p in marks)
+    behind = [i for i, p in marks if p["step"] < newest or p["where"] != LoopAt.DISPATCHED]
+    return behind[0] if len(behind) == 1 else None
+
+
+class HangWatch(ControllerCallback):
+    """Finds a step that does not finish while every host answers its polls: nothing reported for
+    max(`multiple` x the median step, `floor_s`) once the group has stepped. Before anything is
+    killed it writes every host's stacks under `log_dir`; `hung()` is what it found (once)."""
+
+    def __init__(self, log_dir: str, config: HangConfig = HangConfig(), printer: Callable[[str], None] | None = None):
+        self.log_dir, self.config, self.print = log_dir, config, printer or (lambda line: None)
+        self._last: float | None = None  # controller clock: the group's latest report
+        self._segment: int | None = None
+        self._found: Hung | None = None
+        self._reported = False  # this segment's hang found already
+
+    def on_report(self, view, host: int, report, speaker: bool) -> None:
+        self._last = view.clock()
+
+    def on_poll(self, view) -> None:
+        segment, group = view.segment, view.group
+        if segment is None or group is None or segment.first_step is None:
+            return  # a group that has not stepped yet compiles and restores: its own timeouts apply
+        if segment.index != self._segment:
+            self._segment, self._last, self._reported = segment.index, view.clock(), False
+        seconds = view.recent_step_seconds
+        threshold = max(self.config.multiple * (statistics.median(seconds) if seconds else 0.0), self.config.floor_s)
+        waited = view.clock() - (self._last if self._last is not None else view.clock())
+        if self._reported or waited < threshold:
+            return
+        self._reported = True
+        host = waited_on(group.progress)
+        step = max((p["step"] for p in group.progress if p), default=view.step_reached)
+        where = self._write_stacks(view, step)
+        self._found = Hung(host, None if host is None else group.node_ids[host], step, waited, threshold,
+                           tuple(group.progress), where)  # fmt: skip
+
+    def hung(self) -> Hung | None:
+        found, self._found = self._found, None
+        return found
+
+    def _write_stacks(self, view, step: int) -> str:
+        """Every host's stacks, one file each, in a directory of its own under the log directory."""
+        import os
+        import time
+
+        where = os.path.join(self.log_dir, f"hang-step{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.makedirs(where, exist_ok=True)
+        for i, text in enumerate(view.host_stacks()):
+            with open(os.path.join(where, f"host{i}.txt"), "w") as f:
+                f.write(text or "(did not answer)\n")
+        return where
+
+
 class Quarantine(Cluster):
     """`cluster` without the hosts set aside: a group is placed on the others. A host set aside
     comes back (`release`) once it passes its probe."""
@@ -215,10 +307,11 @@ class HealthyScaling(policies.Scaling):
     warned of."""
 
     def __init__(self, inner: policies.Scaling, watch: StragglerWatch, quarantine: Quarantine,
-                 predict: Callable[[int], float], min_hosts: int):  # fmt: skip
+                 predict: Callable[[int], float], min_hosts: int, hangs: HangWatch | None = None):  # fmt: skip
         self.inner, self.watch, self.quarantine, self.predict, self.min_hosts = (
             inner, watch, quarantine, predict, min_hosts,
         )  # fmt: skip
+        self.hangs = hangs
 
     def attach(self, view) -> None:
         self.inner.attach(view)
@@ -230,6 +323,9 @@ class HealthyScaling(policies.Scaling):
         return self.inner.status()
 
     def while_running(self, view, state, alive):
+        hung = self.hangs.hung() if self.hangs is not None else None
+        if hung is not None:
+            return self._evict(hung)
         found = self.watch.named()
         if found is None or state.resize:
             return self.inner.while_running(view, state, alive)
@@ -243,6 +339,20 @@ class HealthyScaling(policies.Scaling):
         self.quarantine.exclude(found.node, f"straggler at step {found.steps[-1]}")
         return policies.Resize(state.target - 1, self._why(found, decided), EventKind.STRAGGLER, at_once=True,
                                fields=fields)  # fmt: skip
+
+    def _evict(self, hung: Hung) -> policies.Evict:
+        """A hung group cannot stop itself: its processes go, and the job recovers on the hosts
+        left as after a host loss, the host the others waited on set aside."""
+        if hung.host is None:
+            why = (f"step {hung.step} has not finished in {hung.waited:.1f} s (more than {hung.threshold:.1f} s) and "
+                   "every host returned from its dispatch: the group restarts on the same hosts")  # fmt: skip
+            return policies.Evict((), why, EventKind.HANG, {"host": None, "evidence": hung.evidence(),
+                                                             "action": "restarted"})  # fmt: skip
+        self.quarantine.exclude(hung.node, f"hung at step {hung.step}")
+        why = (f"step {hung.step} has not finished in {hung.waited:.1f} s (more than {hung.threshold:.1f} s); the "
+               f"others wait on host {hung.host}: the job goes on without it")  # fmt: skip
+        fields = {"host": hung.host, "node": hung.node, "evidence": hung.evidence(), "action": "excluded"}
+        return policies.Evict((hung.host,), why, EventKind.HANG, fields)
 
     def _decide(self, view, state, found: Straggler) -> Exclude:
         staying = found.step_seconds

@@ -31,6 +31,8 @@ def read_loss(nodes: Sequence[str], lost: Sequence[int], alive: Collection[str],
     gone, is the loss itself."""
     dead = [i for i, n in enumerate(nodes) if n not in live]
     hosts = dead or list(lost)
-    left = [n for n in nodes if n in live and n not in alive]
+    left = [
+        n for i, n in enumerate(nodes) if n in live and n not in alive and i not in lost
+    ]  # (a host set aside is the loss)
     processes = [i for i in lost if i not in hosts]
     return Loss(hosts, processes, len(dead), len(left), len([i for i in lost if i not in dead]))

@@ -31,6 +31,18 @@ class Resize:
 
 
 @dataclasses.dataclass(frozen=True)
+class Evict:
+    """The group cannot go on as it is (a step that never finishes): its processes are stopped and
+    the job recovers as from the loss of `hosts` (indices in the group; () names none, and the
+    group restarts on the same hosts)."""
+
+    hosts: tuple[int, ...]
+    reason: str
+    event: str
+    fields: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class Warn:
     """Nothing to change, something to say: an event (the health loop's, where it does not act)."""
 
@@ -80,7 +92,7 @@ class Scaling(Protocol):
         hosts (controller clock)."""
         ...
 
-    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize | Warn:
+    def while_running(self, view, state, alive: Callable[[], list[str]]) -> Continue | Resize | Warn | Evict:
         """Whether the training group (`state`, a `Running`) should resize; `alive()`: the hosts
         the cluster offers now (a round trip to the cluster: asked only where it decides)."""
         ...

@@ -19,6 +19,7 @@ class GroupView:
     size: int
     node_ids: tuple[str, ...]
     places: tuple[dict, ...]
+    progress: tuple[dict | None, ...] = ()  # where each host's loop was at the latest poll (`worker.progress`)
 
 
 def _read(name: str, doc: str | None = None) -> property:
@@ -48,7 +49,13 @@ class ControllerView:
         group = self._c.group
         if group is None:
             return None
-        return GroupView(group.size, tuple(group.node_ids), tuple(group.places))
+        return GroupView(group.size, tuple(group.node_ids), tuple(group.places), tuple(getattr(group, "progress", ())))
+
+    def host_stacks(self) -> list[str]:
+        """Every host's threads' stacks, in process order ("" where a host did not answer): a
+        read of the hosts, for a callback that must say where a hung group was."""
+        group = self._c.group
+        return group.stacks() if group is not None and hasattr(group, "stacks") else []
 
     @property
     def recent_step_seconds(self) -> tuple[float, ...]:

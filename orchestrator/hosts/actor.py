@@ -31,6 +31,7 @@ class HostActor:
         # Held while `warm` imports: a segment waits for it, since two threads importing one library
         # at once can meet its modules half-initialised (optax imports itself in a circle).
         self._importing = threading.Lock()
+        self._progress = None  # the segment's loop's `worker.progress.Progress`, once it starts
 
     def warm(self, modules: Sequence[str]) -> float:
         """Import what a segment will (the program's module, the partitioner and checkpoint code)
@@ -83,9 +84,12 @@ class HostActor:
         try:
             with self._importing:  # after `warm`, never beside it
                 from ..worker import run_segment
+                from ..worker.progress import Progress
 
                 executables = pickle.loads(executables) if executables else None
-            run_segment(spec, report, lambda: self._stop, peers=peers, ahead=self._next_ahead, executables=executables)
+            self._progress = Progress()
+            run_segment(spec, report, lambda: self._stop, peers=peers, ahead=self._next_ahead, executables=executables,
+                        progress=self._progress)  # fmt: skip
         except BaseException:
             self._error = traceback.format_exc()
         finally:
@@ -111,7 +115,14 @@ class HostActor:
             try:
                 reports.append(self._reports.get_nowait())
             except queue.Empty:
-                return {"reports": reports, "done": done, "error": self._error}
+                progress = self._progress.read() if self._progress is not None else None
+                return {"reports": reports, "done": done, "error": self._error, "progress": progress}
+
+    def stacks(self) -> str:
+        """Every thread's stack in this host's process (a hung step's evidence)."""
+        from ..worker.progress import stacks
+
+        return stacks()
 
     def request_stop(self, now: bool = False) -> None:
         """Finish at the next checkpoint boundary, or (`now`) save the step reached and finish."""

@@ -65,10 +65,12 @@ class HostStatus:
     reports: tuple[Report, ...]
     done: bool
     error: str | None
+    progress: dict | None = None  # where its loop is: {"step", "where", "at"} (`worker.progress`)
 
     @classmethod
     def from_wire(cls, answer: dict) -> HostStatus:
-        return cls(tuple(from_dict(r) for r in answer["reports"]), answer["done"], answer["error"])
+        reports = tuple(from_dict(r) for r in answer["reports"])
+        return cls(reports, answer["done"], answer["error"], answer.get("progress"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,7 @@ class HostGroup:
         self.size = hosts
         self.config = config
         self._pg = None
+        self.progress: tuple[dict | None, ...] = (None,) * hosts  # each host's loop, at the latest poll
         if placements is not None:
             self.actors = [self._actor(pg, 0) for pg in placements[:hosts]]
         elif nodes is not None:
@@ -192,6 +195,7 @@ class HostGroup:
     def poll(self) -> list[HostStatus]:
         answered = self._answers([a.poll.remote() for a in self.actors], "", HostStatus.from_wire)
         statuses = [s for _, s in answered]
+        self.progress = tuple(s.progress for s in statuses)
         for i, s in enumerate(statuses):
             if s.error:
                 raise SegmentFailedError(f"host {i} failed:\n{s.error}")
@@ -217,6 +221,18 @@ class HostGroup:
         if lost:
             raise HostsLostError(lost, [self.node_ids[i] for i in lost], "; ".join(details), answered)
         return answered
+
+    def stacks(self, timeout_s: float = 5.0) -> list[str]:
+        """Every host's threads' stacks, in process order ("" for a host that did not answer)."""
+        refs = [a.stacks.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else "")
+            except _HOST_GONE:
+                out.append("")
+        return out
 
     def compile_ahead(self, plan_json: str) -> None:
         """Have process 0 compile a smaller mesh's plan beside training (worker.compile.compile_ahead);

@@ -33,7 +33,7 @@ from .reports import (
     from_dict,
     report,
 )
-from .segment import HookRef, SegmentSpec, Stop, plan_key
+from .segment import HookRef, LoopAt, SegmentSpec, Stop, plan_key
 
 __all__ = [
     "EVENT_KINDS",
@@ -53,6 +53,7 @@ __all__ = [
     "GroupStart",
     "Hang",
     "HookRef",
+    "LoopAt",
     "Init",
     "Load",
     "Report",

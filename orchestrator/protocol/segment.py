@@ -18,6 +18,15 @@ class Stop(enum.IntEnum):
     NOW = 2  # save the step reached and finish (a stop or a preemption)
 
 
+class LoopAt(enum.StrEnum):
+    """Where a host's loop is in a step, as its polls say (`worker.progress`): a host that has
+    returned from a step's dispatch waits on the devices and its peers; one still dispatching is
+    the one they wait on, if the step hangs."""
+
+    DISPATCHING = "dispatching"
+    DISPATCHED = "dispatched"
+
+
 @dataclasses.dataclass(frozen=True)
 class HookRef:
     """A worker hook that tests attach to one host (fault injection): `factory` ("module:name")

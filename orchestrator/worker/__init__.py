@@ -12,6 +12,7 @@ orchestrator.worker SPEC.json`, as on a GPU machine) or in a test; imports no Ra
     evaluation.py  the program's evaluation
     compile.py     step FLOPs, the digest's program, compiling ahead, loading what was compiled ahead
     agreement.py   every process stops (and snapshots) after the same step
+    progress.py    where the loop is (for naming the host a hung step waits on), every thread's stack
     inputs.py      each host's rows of each batch, one step ahead
     laps.py        reports that cover a host's time back to back
 """

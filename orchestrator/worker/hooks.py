@@ -93,6 +93,10 @@ class FaultHook:
     def input_read(self, step: int) -> None:
         """`step`'s batch is read; the time until it is dispatched counts as input time."""
 
+    def dispatching(self, step: int) -> None:
+        """`step`'s compiled program is about to be dispatched (a host that blocks here blocks
+        inside the step, as far as its peers can tell)."""
+
     def step_work(self, step: int, read_back: Callable[[], float]) -> None:
         """`step` is dispatched; time spent here is this host's own work on it (`read_back()`
         waits for the step and returns its seconds)."""

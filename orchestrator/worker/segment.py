@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from ..job.data import DataPosition, HostBatches
-from ..protocol import CheckpointFlush, Compile, GroupStart, Load, SegmentSpec, Step, Stop
+from ..protocol import CheckpointFlush, Compile, GroupStart, Load, LoopAt, SegmentSpec, Step, Stop
 from .agreement import StopAgreement
 from .compile import AheadHook, DigestProgram, Executables, sharded, step_flops
 from .evaluation import EvalHook
@@ -28,6 +28,7 @@ from .hooks import FaultHook, Hook, StepDispatched, closing, load_fault_hook
 from .inputs import Prefetch, batches
 from .laps import Deferred, Laps, Reporter
 from .process import compile_once, start_group
+from .progress import Progress
 from .restore import Restored, restore_or_init
 from .saves import SaveHook, Saves
 from .scalars import scalar_metrics
@@ -41,13 +42,15 @@ def run_segment(
     peers=None,
     ahead: Callable[[], str | None] = lambda: None,
     executables: dict | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """Train one segment. `peers`: where peer snapshots go and the one to restore comes from
     (`hosts.keepers.PeerSnapshots`, or anything with its `offer` and `restore_step`); None where
     there is none (a plain process without Ray). `ahead`: a plan (JSON) for a smaller mesh to
     compile beside training (`compile.compile_ahead`), or None; asked between steps, on process 0
     only. `executables`: what an earlier group compiled ahead (`CompileAhead.executables`), used
-    if it was compiled for this segment's plan."""
+    if it was compiled for this segment's plan. `progress`: where the loop is, marked each step
+    (`progress.Progress`), for whoever answers the controller's polls."""
     import jax
 
     fault = load_fault_hook(spec.test_hook, report)
@@ -58,7 +61,8 @@ def run_segment(
     loaded = _Loaded.load(spec)
     lap(Load)
     programs, restored = _compile_beside_restore(loaded, spec, lap, fault, peers, executables)
-    return _train(loaded, programs, restored, spec, lap, report, should_stop, peers, ahead, fault)
+    return _train(loaded, programs, restored, spec, lap, report, should_stop, peers, ahead, fault,
+                  progress or Progress())  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +213,9 @@ class StepReports:
 
 
 def _train(
-    loaded: _Loaded, programs: _Programs, restored: Restored, spec, lap, report, should_stop, peers, ahead, fault
-):
+    loaded: _Loaded, programs: _Programs, restored: Restored, spec, lap, report, should_stop, peers, ahead, fault,
+    progress: Progress,
+):  # fmt: skip
     from partitioner import profile
 
     position = DataPosition(spec.global_batch, *restored.position)
@@ -240,7 +245,8 @@ def _train(
     inputs = Prefetch(data, restored.meta.data_position, spec.steps)
     try:
         with closing(hooks):  # the save in flight settles there
-            reached = _loop(programs.step, restored, spec, inputs, reports, agreement, hooks, fault, saves.unsaved)
+            reached = _loop(programs.step, restored, spec, inputs, reports, agreement, hooks, fault, saves.unsaved,
+                            progress)  # fmt: skip
     finally:
         inputs.close()
         programs.digest.close()
@@ -249,18 +255,22 @@ def _train(
 
 
 def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepReports, agreement, hooks, fault,
-          unsaved=lambda upto: []) -> int:  # fmt: skip
+          unsaved=lambda upto: [], progress: Progress | None = None) -> int:  # fmt: skip
     """Train from the restored step to the job's last, or until a stop ends the segment; returns
     the step reached. `unsaved(step)`: the records of the steps past the newest commit."""
     first = reached = restored.meta.data_position
     state = restored.state
+    progress = progress or Progress()
     for index in range(first, spec.steps):
         t_input = time.time()
         batch = inputs.take(index)
         fault.input_read(index + 1)
         t_dispatch = time.time()
         reports.waited += t_dispatch - t_input
+        progress.mark(index + 1, LoopAt.DISPATCHING)
+        fault.dispatching(index + 1)
         state, metrics = step_fn(state, batch)
+        progress.mark(index + 1, LoopAt.DISPATCHED)
         reports.blocked += time.time() - t_dispatch
         reports.dispatched(index + 1, metrics, agreement.snapshot_every)
         reached = index + 1

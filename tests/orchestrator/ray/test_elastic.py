@@ -61,6 +61,11 @@ def straggler(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hung(tmp_path_factory):
+    return run_job(tmp_path_factory, "hung", 40, "hang@30:1")
+
+
+@pytest.fixture(scope="module")
 def coordinator_lost(tmp_path_factory):
     return run_job(tmp_path_factory, "coordinator", 60, "lose@30:0")
 
@@ -143,6 +148,29 @@ def test_a_slow_host_is_named_and_the_job_goes_on_without_it_with_the_static_los
     (restore,) = kinds(straggler, "restore")[-1:]
     assert restore["recomputed"] == 0 and restore["step"] >= restore["committed"]  # nothing lost
     assert "slow  after step" in straggler["_stdout"] and "resizing to 3 hosts now" in straggler["_stdout"]
+
+
+def test_a_hung_step_is_found_its_stacks_written_and_the_job_goes_on_without_the_host(hung, static):
+    assert hung["state"] == "finished" and hung["steps_completed"] == 40
+    (hang,) = kinds(hung, "hang")
+    assert hang["host"] == 1 and hang["action"] == "excluded" and hang["step"] == 29, hang
+    evidence = hang["evidence"]
+    # Found once nothing was reported for max(5 x the median step, 5 s), and not much later.
+    assert evidence["threshold_seconds"] <= evidence["waited_seconds"] < evidence["threshold_seconds"] + 2
+    assert [loop["where"] for loop in evidence["loops"]] == ["dispatched", "dispatching", "dispatched", "dispatched"]
+    stacks = [os.path.join(evidence["stacks"], f"host{i}.txt") for i in range(4)]
+    assert all(os.path.getsize(p) > 0 for p in stacks)
+    with open(stacks[1]) as f:
+        assert "in dispatching" in f.read()  # the hung host's stack says where it hangs
+    (lost,) = kinds(hung, "host_lost")
+    assert lost["hosts"] == [1] and lost["slice_left"] == 0
+    assert [s["hosts"] for s in hung["segments"]] == [4, 3]
+    (restore,) = kinds(hung, "restore")[-1:]
+    assert restore["source"] == "memory" and restore["step"] >= restore["committed"]  # nothing committed lost
+    assert_at_most_the_snapshot_interval_recomputed(hung)
+    assert_same_losses(hung, static)
+    assert_restores_are_bitwise(hung)
+    assert_recovered_with_parts_recorded(hung, losses=1)
 
 
 # The coordinator's loss and a loss in a save are runs of their own, and the fault storm has
