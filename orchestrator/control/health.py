@@ -161,6 +161,9 @@ class HangConfig:
 
     multiple: float = 5.0
     floor_s: float = 5.0
+    # Step times a group must have before its median says anything: its first steps compile the
+    # stop agreement's broadcast and the digest beside training, and may take seconds each.
+    warmup_steps: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +201,7 @@ def waited_on(progress: Sequence[dict | None]) -> int | None:
 
 class HangWatch(ControllerCallback):
     """Finds a step that does not finish while every host answers its polls: nothing reported for
-    max(`multiple` x the median step, `floor_s`) once the group has stepped. Before anything is
+    max(`multiple` x the median step, `floor_s`) once the group has stepped a few times. Before anything is
     killed it writes every host's stacks under `log_dir`; `hung()` is what it found (once)."""
 
     def __init__(self, log_dir: str, config: HangConfig = HangConfig(), printer: Callable[[str], None] | None = None):
@@ -218,6 +221,8 @@ class HangWatch(ControllerCallback):
         if segment.index != self._segment:
             self._segment, self._last, self._reported = segment.index, view.clock(), False
         seconds = view.recent_step_seconds
+        if len(seconds) < self.config.warmup_steps:
+            return
         threshold = max(self.config.multiple * (statistics.median(seconds) if seconds else 0.0), self.config.floor_s)
         waited = view.clock() - (self._last if self._last is not None else view.clock())
         if self._reported or waited < threshold:

@@ -71,3 +71,36 @@ def test_the_json_api_refuses_a_run_or_points_that_is_not_a_number_and_names_it(
         urllib.request.urlopen(missing, timeout=30)
     assert e.value.code == 404 and f"no run {first + 99} of job 'twice'" in json.loads(e.value.read())["error"]
     assert json.loads(urllib.request.urlopen(f"{url}/api/jobs/twice?run={first}", timeout=30).read())["run"] == first
+
+
+def test_the_job_page_shows_each_hosts_health(tmp_path):
+    path = str(tmp_path / "fleet.db")
+    store = FleetStore(path)
+    run = store.start_run("slow", cluster="c", steps=40)
+    steps = []
+    for i in range(1, 41):
+        segment, hosts = (1, 4) if i <= 26 else (2, 3)
+        for h in range(hosts):
+            wait = 0.05 if (segment == 1 and h == 2 and i > 8) else (0.9 if segment == 1 and i > 8 else 0.3)
+            steps.append({"segment": segment, "host": h, "step": i, "at": 1.7e9 + i, "loss": 3.0 / i, "seconds": 1.0,
+                          "tokens_per_second": 100.0, "mfu": 0.1, "wait_seconds": wait})  # fmt: skip
+    event = {"kind": "straggler", "step": 24, "at": 1.7e9 + 24, "host": 2, "action": "excluded", "hosts": 3,
+             "reason": "host 2 is slow: the others waited 85% of each step for it"}  # fmt: skip
+    store.add(run, events=[event], steps=steps)
+    store.update_run(run, state="finished", steps_completed=40, segments=[{"hosts": 4}, {"hosts": 3}])
+    store.close()
+    server = make_server(DashboardConfig(port=0, store=FleetStoreConfig(path=path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        page = browser.dom(f"http://127.0.0.1:{server.server_address[1]}/jobs/slow", str(tmp_path / "profile"))
+    finally:
+        server.shutdown()
+    assert 'data-loaded="true"' in page, page[-3000:]
+    table = page.split('id="health"')[1].split("</table>")[0]
+    rows = re.findall(r'<tr data-health="(\w+)"><td>(\d+)</td><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td>', table)
+    assert [(r[1], r[2], r[0]) for r in rows] == [
+        ("1", "0", "ok"), ("1", "1", "ok"), ("1", "2", "straggler"), ("1", "3", "ok"),
+        ("2", "0", "ok"), ("2", "1", "ok"), ("2", "2", "ok"),
+    ]  # fmt: skip
+    assert rows[2][3] == "straggler: excluded" and "host 2 is slow" in table
+    assert float(rows[2][4]) < float(rows[0][4])  # the straggler waits least

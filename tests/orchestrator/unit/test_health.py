@@ -8,7 +8,14 @@ import types
 import pytest
 
 from orchestrator.control import policies
-from orchestrator.control.health import HealthyScaling, Quarantine, StragglerConfig, StragglerWatch
+from orchestrator.control.health import (
+    HangWatch,
+    HealthyScaling,
+    Quarantine,
+    StragglerConfig,
+    StragglerWatch,
+    waited_on,
+)
 from orchestrator.control.state import Running, Segment
 from orchestrator.protocol import EventKind, Step
 
@@ -132,3 +139,56 @@ def test_no_exclusion_below_the_jobs_minimum():
     scaling = HealthyScaling(policies.ScalingPolicy(4, 4), watch, quarantine, lambda d: 1.0 / d, 4)
     decision = scaling.while_running(_view(), _running(), lambda: quarantine.alive_hosts())
     assert isinstance(decision, policies.Warn)
+
+
+def test_the_host_a_hung_step_waits_on_is_the_one_behind():
+    def loops(*marks):
+        return [{"step": s, "where": w, "at": 0.0} for s, w in marks]
+
+    assert waited_on(loops((31, "dispatched"), (31, "dispatching"), (31, "dispatched"))) == 1
+    assert waited_on(loops((31, "dispatched"), (30, "dispatched"), (31, "dispatched"))) == 1  # never reached it
+    assert waited_on(loops((31, "dispatched"), (31, "dispatched"), (31, "dispatched"))) is None  # the devices hang
+    assert waited_on(loops((31, "dispatching"), (31, "dispatching"), (31, "dispatched"))) is None  # not one host
+    assert waited_on([None, *loops((31, "dispatched"))]) is None  # a host that never marked: nothing to go by
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _hang_view(clock, seconds, progress):
+    seg = Segment(0, {}, 3, 6, "", 0.0, 0.0, first_step=1)
+    group = types.SimpleNamespace(size=3, node_ids=NODES[:3], progress=progress)
+    return types.SimpleNamespace(segment=seg, group=group, recent_step_seconds=seconds, step_reached=30, clock=clock,
+                                 host_stacks=lambda: ["stack 0", "stack 1", ""])  # fmt: skip
+
+
+def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_hosts_stacks(tmp_path):
+    clock = _Clock()
+    marks = [{"step": 31, "where": w, "at": 0.0} for w in ("dispatched", "dispatching", "dispatched")]
+    watch = HangWatch(str(tmp_path))
+    view = _hang_view(clock, (0.4, 0.4), marks)
+    watch.on_poll(view)
+    clock.t = 60.0
+    watch.on_poll(view)
+    assert watch.hung() is None  # two steps timed: too few to say what a step takes
+    view = _hang_view(clock, (2.0,) * 5, marks)
+    watch.on_report(view, 0, None, True)
+    clock.t += 9.9
+    watch.on_poll(view)
+    assert watch.hung() is None  # under 5 x 2 s
+    clock.t += 0.2
+    watch.on_poll(view)
+    found = watch.hung()
+    assert found is not None and found.host == 1 and found.node == "n1" and found.step == 31
+    assert found.threshold == 10.0 and found.waited == pytest.approx(10.1)
+    files = sorted(p.name for p in (tmp_path / found.stacks.rsplit("/", 1)[1]).iterdir())
+    assert files == ["host0.txt", "host1.txt", "host2.txt"]
+    assert (tmp_path / found.stacks.rsplit("/", 1)[1] / "host2.txt").read_text() == "(did not answer)\n"
+    clock.t += 100
+    watch.on_poll(view)
+    assert watch.hung() is None  # once a group
