@@ -21,6 +21,9 @@ slow@S[:H]            from step S on, host H's input takes SLOW_INPUT_SECONDS lo
                       a straggler (works on any cluster: nothing is killed)
 hang@S[:H]            host H blocks as it dispatches step S, its actor still answering polls: a
                       step that never finishes (the health loop finds it; fires once)
+flip@S[:H][xB]        after step S, bit B (default 30, a high exponent bit of a float32) of one
+                      element of host H's copy of a replicated parameter flips: silent data
+                      corruption in one copy (fires once)
 slow-step@S[:H][xF]   from step S on, host H's work on each step takes F times as long (default
                       3): a slow host, the slowness its own, not its input's; it follows the
                       node (a group without it runs at full speed), on any cluster
@@ -41,12 +44,13 @@ from .worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
-         "slow", "slow-step", "hang")  # fmt: skip
+         "slow", "slow-step", "hang", "flip")  # fmt: skip
 SLOW_INPUT_SECONDS = 0.3
 SLOW_STEP_FACTOR = 3.0
-ANY_CLUSTER = ("slow", "slow-step", "hang")  # kinds that need no control over the cluster's nodes
+ANY_CLUSTER = ("slow", "slow-step", "hang", "flip")  # kinds that need no control over the cluster's nodes
+FLIP_BIT = 30
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?(?:x(?P<factor>\d+(?:\.\d+)?))?$")
-_FACTOR = ("slow-step",)  # kinds that take xF
+_FACTOR = ("slow-step", "flip")  # kinds that take xF (flip: the bit)
 _NO_HOST = ("add", "add-in-recovery")
 
 
@@ -75,7 +79,7 @@ class Fault:
 
     def __str__(self) -> str:
         hosts = (":" + "+".join(map(str, self.hosts))) if self.hosts else ""
-        return f"{self.kind}@{self.step}{hosts}" + (f"x{self.factor:g}" if self.factor else "")
+        return f"{self.kind}@{self.step}{hosts}" + (f"x{self.factor:g}" if self.kind in _FACTOR else "")
 
 
 def parse_chaos(text: str | None) -> tuple[Fault, ...]:
@@ -92,9 +96,12 @@ def parse_chaos(text: str | None) -> tuple[Fault, ...]:
         hosts = tuple(int(h) for h in m["hosts"].split("+")) if m["hosts"] else ()
         if m["factor"] and m["kind"] not in _FACTOR:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: only {', '.join(_FACTOR)} takes xFACTOR")
-        factor = float(m["factor"]) if m["factor"] else (SLOW_STEP_FACTOR if m["kind"] in _FACTOR else 0.0)
-        if m["kind"] in _FACTOR and factor <= 1:
+        default = {"slow-step": SLOW_STEP_FACTOR, "flip": float(FLIP_BIT)}.get(m["kind"], 0.0)
+        factor = float(m["factor"]) if m["factor"] else default
+        if m["kind"] == "slow-step" and factor <= 1:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: xFACTOR must be above 1 (how many times as long)")
+        if m["kind"] == "flip" and (factor != int(factor) or not 0 <= factor < 32):
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: flip's xBIT must be a bit of a 32-bit word, 0 to 31")
         if hosts and m["kind"] in _NO_HOST:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: {m['kind']}@STEP takes no host")
         if len(hosts) > 1 and m["kind"] != "lose":
@@ -141,6 +148,10 @@ class ChaosInjector:
         """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
         return {(f.hosts[0] if f.hosts else None): f.step for f in self._pending if f.kind == "slow"}
 
+    def flips(self) -> list[Fault]:
+        """`flip` faults not found yet: they ride in every group until a corruption is."""
+        return [f for f in self._pending if f.kind == "flip"]
+
     def step_hangs(self) -> list[Fault]:
         """`hang` faults not fired yet: they ride in every group until a hang is found."""
         return [f for f in self._pending if f.kind == "hang"]
@@ -181,13 +192,16 @@ class ChaosCallback(ControllerCallback):
         slow = {(h if h is not None else hosts - 1): s for h, s in self.injector.slow_hosts().items()}
         slow_step = self._slow_step_hosts(view)
         hang = {f.host_in(hosts): f.step for f in self.injector.step_hangs()}
+        flip = {f.host_in(hosts): (f.step, int(f.factor)) for f in self.injector.flips()}
         hooks = {}
-        for i in sorted({*save, *phase, *slow, *slow_step, *hang}):
+        for i in sorted({*save, *phase, *slow, *slow_step, *hang, *flip}):
             args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
             if i in slow_step:
                 args["slow_step"] = slow_step[i]
             if i in hang:
                 args["hang_at_step"] = hang[i]
+            if i in flip:
+                args["flip"] = flip[i]
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
 
@@ -209,9 +223,9 @@ class ChaosCallback(ControllerCallback):
                 self.hosts.add_host()
 
     def on_event(self, view, event) -> None:
-        if event.kind == EventKind.HANG:  # found: a hang fault does not ride in the next group
-            for fault in self.injector.step_hangs():
-                self.injector.fired(fault)
+        found = {EventKind.HANG: self.injector.step_hangs, EventKind.CORRUPTION: self.injector.flips}.get(event.kind)
+        for fault in found() if found else ():  # found: it does not ride in the next group
+            self.injector.fired(fault)
 
     def on_report(self, view, host, report, speaker) -> None:
         if isinstance(report, Hang):  # whichever host hangs is the one to kill
@@ -266,8 +280,9 @@ class HostFaults(FaultHook):
 
     def __init__(self, report, hang_in: str | None = None, hang_before_save: int | None = None,
                  slow_input_from: int | None = None, slow_step: tuple[int, float] | None = None,
-                 hang_at_step: int | None = None):  # fmt: skip
+                 hang_at_step: int | None = None, flip: tuple[int, int] | None = None):  # fmt: skip
         self.report, self.hang_in, self.hang_at_step = report, hang_in, hang_at_step
+        self.flip = flip  # (after step, bit)
         self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
         self.slow_step = slow_step  # (from step, factor)
         self._step_work: float | None = None  # a healthy step's seconds, read once the slowness begins
@@ -291,6 +306,21 @@ class HostFaults(FaultHook):
         if step == self.hang_at_step:
             threading.Event().wait()  # (the actor answers on; the controller's health loop stops it)
 
+    def corrupt(self, step: int, state):
+        """After the flip's step, one bit of one element of this host's copy of a replicated
+        floating-point leaf flips (the first leaf with at least three copies: a majority can
+        name it)."""
+        if self.flip is None or step != self.flip[0]:
+            return state
+        import jax
+
+        leaves, tree = jax.tree.flatten(state)
+        for n, leaf in enumerate(leaves):
+            if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and _copies(leaf) >= 3:
+                leaves[n] = _flipped(leaf, self.flip[1])
+                return jax.tree.unflatten(tree, leaves)
+        return state
+
     def step_work(self, step: int, read_back) -> None:
         """From the slow step on, this host finishes each step's work (F - 1) healthy steps'
         time late: the others wait for it in the next step's collectives."""
@@ -304,3 +334,28 @@ class HostFaults(FaultHook):
     def _hang(self, phase: str, step: int | None = None) -> None:
         self.report(Hang(phase=phase, step=step))
         threading.Event().wait()
+
+
+def _copies(leaf) -> int:
+    """How many devices hold each block of `leaf`."""
+    blocks = {}
+    for index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).values():
+        key = tuple(s.indices(d)[:2] for s, d in zip(index, leaf.shape))
+        blocks[key] = blocks.get(key, 0) + 1
+    return min(blocks.values())
+
+
+def _flipped(leaf, bit: int):
+    """`leaf` with bit `bit` of element 0 of this process's first copy flipped (32-bit words; the
+    lower 16 bits of a 16-bit type)."""
+    import jax
+    import numpy as np
+
+    shards = []
+    for n, s in enumerate(leaf.addressable_shards):
+        data = np.array(s.data)
+        if n == 0:
+            words = data.reshape(-1).view({2: np.uint16, 4: np.uint32, 8: np.uint32}[data.dtype.itemsize])
+            words[0] ^= words.dtype.type(1 << (bit % (8 * words.dtype.itemsize)))
+        shards.append(jax.device_put(data, s.device))
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)

@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 from .control.controller import ControllerConfig, JobController
 from .control.fleet_following import FleetFollowing
-from .control.health import HangWatch, HealthyScaling, Quarantine, StragglerConfig, StragglerWatch
+from .control.health import (
+    CorruptionWatch,
+    HangWatch,
+    HealthyScaling,
+    Quarantine,
+    StragglerConfig,
+    StragglerWatch,
+)
 from .control.planning import PlanCache, program_fingerprint
 from .control.policies import ScalingPolicy
 from .dashboard.store import FleetStoreConfig
@@ -91,10 +98,12 @@ def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list):
     stragglers as `[health] stragglers` says."""
     watch = StragglerWatch(StragglerConfig(mode=job.health.stragglers))
     hangs = HangWatch(os.path.join(os.path.dirname(job.checkpoint.dir), "logs"))
-    callbacks += [watch, hangs]
+    corruption = CorruptionWatch()
+    callbacks += [watch, hangs, corruption]
     quarantine = Quarantine(cluster)
     inner = scaling or ScalingPolicy(job.hosts.min, job.hosts.max)
-    return quarantine, HealthyScaling(inner, watch, quarantine, lambda d: _predicted(plans, d), job.hosts.min, hangs)
+    predict = lambda d: _predicted(plans, d)  # noqa: E731
+    return quarantine, HealthyScaling(inner, watch, quarantine, predict, job.hosts.min, hangs, corruption)
 
 
 def _predicted(plans: PlanCache, devices: int) -> float:

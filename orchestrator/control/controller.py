@@ -258,7 +258,9 @@ class JobController:
             return None
         restore = None
         if self.segments:  # a new run's keepers hold nothing
-            restore = self.snapshots.newest(set(self.cluster.live_hosts()), after=self.committed())
+            recovery = getattr(self.state, "recovery", None)
+            at_most = recovery.at_most if recovery is not None else None
+            restore = self.snapshots.newest(set(self.cluster.live_hosts()), after=self.committed(), at_most=at_most)
         return self.snapshots.placements(self.group.node_ids, len(self.segments), restore, self.cluster.slice_of())
 
     # -- Running -----------------------------------------------------------------------------
@@ -371,7 +373,7 @@ class JobController:
             self._event(decision.event, hosts=list(decision.hosts), reason=decision.reason, **decision.fields)
             nodes = [self.group.node_ids[i] for i in decision.hosts]
             return self._on_hosts_lost(HostsLostError(list(decision.hosts), nodes, decision.reason, []), state.target,
-                                       state.recovery)  # fmt: skip
+                                       state.recovery, decision.restore_at_most)  # fmt: skip
         if not isinstance(decision, policies.Resize):
             return state
         if decision.hosts < state.target:
@@ -396,7 +398,8 @@ class JobController:
             return Failed(decision.reason)
         return Planning(state.target, state.recovery, stalled)
 
-    def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None) -> State:
+    def _on_hosts_lost(self, e: HostsLostError, target: int, recovery: Recovery | None,
+                       at_most: int | None = None) -> State:  # fmt: skip
         detected = self.clock()
         alive = self.cluster.alive_hosts()
         loss = read_loss(self.group.node_ids, e.indices, alive, set(self.cluster.live_hosts()))
@@ -414,7 +417,8 @@ class JobController:
         decision = self.failure.on_failure(loss.failure(target, len(alive), failures - 1))
         if isinstance(decision, policies.Fail):
             return Failed(decision.reason)
-        return Planning(decision.hosts, Recovery(self.step_reached, detected, failures), decision=decision)
+        return Planning(decision.hosts, Recovery(self.step_reached, detected, failures, at_most=at_most),
+                        decision=decision)  # fmt: skip
 
     # -- Stopping ----------------------------------------------------------------------------
     def _begin_stop(self, state: Running) -> State:

@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from ..hosts.interface import Cluster, Placement
-from ..protocol import ControllerCallback, EventKind, LoopAt, Step
+from ..protocol import ControllerCallback, EventKind, LoopAt, ReplicasDiffer, Step
 from . import policies
 
 MODES = ("act", "warn", "off")
@@ -210,6 +210,7 @@ class HangWatch(ControllerCallback):
         self._segment: int | None = None
         self._found: Hung | None = None
         self._reported = False  # this segment's hang found already
+        self._since: tuple[str | None, float | None] = (None, None)  # the host set aside, and its last report
 
     def on_report(self, view, host: int, report, speaker: bool) -> None:
         self._last = view.clock()
@@ -235,8 +236,16 @@ class HangWatch(ControllerCallback):
                            tuple(group.progress), where)  # fmt: skip
 
     def hung(self) -> Hung | None:
-        found, self._found = self._found, None
+        found = self._found
+        self._found = None
+        if found is not None:
+            self._since = (found.node, self._last)  # for `lost_at`: when the group last reported
         return found
+
+    def lost_at(self, node_ids) -> float | None:
+        """When a host set aside for hanging stopped making progress (the group's last report)."""
+        node, since = self._since
+        return since if node is not None and node in node_ids else None
 
     def _write_stacks(self, view, step: int) -> str:
         """Every host's stacks, one file each, in a directory of its own under the log directory."""
@@ -249,6 +258,29 @@ class HangWatch(ControllerCallback):
             with open(os.path.join(where, f"host{i}.txt"), "w") as f:
                 f.write(text or "(did not answer)\n")
         return where
+
+
+class CorruptionWatch(ControllerCallback):
+    """Reads what the group's comparison of the state's copies found (`ReplicasDiffer`, from the
+    host that speaks for the group: every process compares the same table); `found()` is the
+    newest disagreement not yet acted on."""
+
+    def __init__(self):
+        self._found: ReplicasDiffer | None = None
+
+    def on_report(self, view, host: int, report, speaker: bool) -> None:
+        if speaker and isinstance(report, ReplicasDiffer):
+            self._found = report
+
+    def found(self) -> ReplicasDiffer | None:
+        found, self._found = self._found, None
+        return found
+
+
+def corrupted_hosts(found: ReplicasDiffer) -> tuple[int, ...]:
+    """The hosts whose copies the majority of their block's copies named; () where no majority
+    named any (two copies that differ: either may be the bad one)."""
+    return tuple(sorted({p for d in found.disagreements if d["majority"] for p in d["processes"]}))
 
 
 class Quarantine(Cluster):
@@ -312,11 +344,12 @@ class HealthyScaling(policies.Scaling):
     warned of."""
 
     def __init__(self, inner: policies.Scaling, watch: StragglerWatch, quarantine: Quarantine,
-                 predict: Callable[[int], float], min_hosts: int, hangs: HangWatch | None = None):  # fmt: skip
+                 predict: Callable[[int], float], min_hosts: int, hangs: HangWatch | None = None,
+                 corruption: CorruptionWatch | None = None):  # fmt: skip
         self.inner, self.watch, self.quarantine, self.predict, self.min_hosts = (
             inner, watch, quarantine, predict, min_hosts,
         )  # fmt: skip
-        self.hangs = hangs
+        self.hangs, self.corruption = hangs, corruption
 
     def attach(self, view) -> None:
         self.inner.attach(view)
@@ -328,6 +361,9 @@ class HealthyScaling(policies.Scaling):
         return self.inner.status()
 
     def while_running(self, view, state, alive):
+        corrupt = self.corruption.found() if self.corruption is not None else None
+        if corrupt is not None:
+            return self._repair(view, corrupt)
         hung = self.hangs.hung() if self.hangs is not None else None
         if hung is not None:
             return self._evict(hung)
@@ -358,6 +394,26 @@ class HealthyScaling(policies.Scaling):
                f"others wait on host {hung.host}: the job goes on without it")  # fmt: skip
         fields = {"host": hung.host, "node": hung.node, "evidence": hung.evidence(), "action": "excluded"}
         return policies.Evict((hung.host,), why, EventKind.HANG, fields)
+
+    def _repair(self, view, found: ReplicasDiffer) -> policies.Evict:
+        """Copies that differ: the state goes back to the newest step whose copies agreed (a peer
+        snapshot, else the newest commit: every commit was compared first), and the hosts the
+        majority named are set aside. Training resumes from there, so nothing the corruption
+        touched is kept."""
+        hosts = corrupted_hosts(found)
+        nodes = [view.group.node_ids[h] for h in hosts] if view.group is not None else []
+        for node in nodes:
+            self.quarantine.exclude(node, f"its copy of the state differed after step {found.step}")
+        leaves = sorted({d["leaf"] for d in found.disagreements})
+        named = f"host(s) {list(hosts)}' copies" if hosts else "two copies (no majority to name one)"
+        why = (f"after step {found.step} {named} of {', '.join(leaves[:3])}{' ...' if len(leaves) > 3 else ''} "
+               f"differ from the others: back to step {found.clean_step}, whose copies agreed"
+               + (", without the host(s)" if hosts else ""))  # fmt: skip
+        fields = {"host": hosts[0] if len(hosts) == 1 else list(hosts), "nodes": nodes,
+                  "evidence": {"found_after_step": found.step, "clean_step": found.clean_step, "every": found.every,
+                               "disagreements": found.disagreements},
+                  "action": "repaired and excluded" if hosts else "repaired"}  # fmt: skip
+        return policies.Evict(hosts, why, EventKind.CORRUPTION, fields, restore_at_most=found.clean_step)
 
     def _decide(self, view, state, found: Straggler) -> Exclude:
         staying = found.step_seconds

@@ -40,6 +40,7 @@ class Evict:
     reason: str
     event: str
     fields: dict = dataclasses.field(default_factory=dict)
+    restore_at_most: int | None = None  # the newest step the state may be restored from (a corruption's)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,4 +51,5 @@ class GroupSpecs:
             test_hook=self.hooks.get(process_id),
             slices=len(set(self.slices)),
             slice_id=self.slices[process_id],
+            digest_every=job.health.digest_every,
         )

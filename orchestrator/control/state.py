@@ -50,6 +50,7 @@ class Recovery:
     failures: int = 1  # losses in a row without a step computed past the first one's step
     restored: bool = False  # the restore that says how many steps are computed again was reported
     recovered: bool = False  # a step of the new group is done: the recovery time is measured
+    at_most: int | None = None  # the newest step to restore (after a corruption: its copies' last agreement)
 
 
 @dataclasses.dataclass

@@ -199,8 +199,9 @@ class Keepers:
             for i in range(n)
         ]
 
-    def newest(self, alive: set[str], after: int) -> SnapshotSource | None:
-        """The newest snapshot, at step `after` or later, whose every share a live keeper holds."""
+    def newest(self, alive: set[str], after: int, at_most: int | None = None) -> SnapshotSource | None:
+        """The newest snapshot, at step `after` or later (and `at_most` or earlier, where given),
+        whose every share a live keeper holds."""
         for node in [n for n in self._keepers if n not in alive]:
             del self._keepers[node]
         nodes = list(self._keepers)
@@ -218,7 +219,9 @@ class Keepers:
             for e in held:
                 sources.setdefault((e["segment"], e["step"]), {}).setdefault(e["process"], self._keepers[node])
                 processes[(e["segment"], e["step"])] = e["processes"]
-        complete = [(s, g) for (g, s), got in sources.items() if s >= after and len(got) == processes[(g, s)]]
+        latest = at_most if at_most is not None else float("inf")
+        complete = [(s, g) for (g, s), got in sources.items()
+                    if after <= s <= latest and len(got) == processes[(g, s)]]  # fmt: skip
         if not complete:
             return None
         step, segment = max(complete)

@@ -49,6 +49,7 @@ class ReportKind(enum.StrEnum):
     CHECKPOINT_FLUSH = "checkpoint_flush"  # the segment's last save finished
     COMPILE_AHEAD = "compile_ahead"  # programs for another mesh compiled beside training
     HANG = "chaos_frozen"  # fault injection: a host hangs in a phase (the wire keeps its first name)
+    REPLICAS_DIFFER = "replicas_differ"  # copies of the state that should be equal are not
 
 
 def _optional(default: Any = None) -> Any:
@@ -278,3 +279,18 @@ class Hang(Report):
     KIND = ReportKind.HANG
     phase: str
     step: int | None = None
+
+
+@report
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicasDiffer(Report):
+    """Copies of the state that should be equal differ after `step` (`job.replicas`): each
+    disagreement's leaf, block, devices and processes. `clean_step`: the newest step whose
+    copies agreed (the segment's first, restored and checked, where none was compared since).
+    Not itself an event: what the health loop decides of it is."""
+
+    KIND = ReportKind.REPLICAS_DIFFER
+    step: int
+    clean_step: int
+    every: int = 0  # the comparison's interval in steps (0: not agreed yet; boundaries only)
+    disagreements: list = dataclasses.field(default_factory=list)

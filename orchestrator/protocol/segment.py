@@ -63,6 +63,9 @@ class SegmentSpec:
     # the slices over the data-center network by the MEGASCALE_* variables set from these).
     slices: int = 1
     slice_id: int = 0
+    # Steps between comparisons of the state's copies (`job.replicas`); 0: as often as costs 1% of
+    # a step, measured; -1: never.
+    digest_every: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -133,6 +133,7 @@ class ConsoleCallback(ControllerCallback):
             ),
             EventKind.HOST_ADDED: lambda: f"grow  {f['reason']}: resizing to {f['hosts']} hosts at the next checkpoint",
             EventKind.HANG: lambda: f"hang  {f['reason']}; every host's stacks in {f['evidence']['stacks']}",
+            EventKind.CORRUPTION: lambda: f"sdc   {f['reason']}",
             EventKind.STRAGGLER: lambda: (
                 f"slow  after step {step}: {f['reason']}"
                 + (f"; resizing to {f['hosts']} hosts now" if f.get("action") == "excluded" else "")

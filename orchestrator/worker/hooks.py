@@ -39,6 +39,7 @@ class StepDispatched:
     read_back: Callable[[], float] = lambda: 0.0  # wait for this step, report it; its seconds
     unsaved: Callable[[int], list[dict]] = _nothing_unsaved  # records of the steps past the newest commit
     copied: float = 0.0  # seconds a hook held the loop copying state (charged to the step's report)
+    corrupt: bool = False  # the state's copies differed at or before this step: none of it is saved or kept
 
     @property
     def ends_segment(self) -> bool:
@@ -96,6 +97,11 @@ class FaultHook:
     def dispatching(self, step: int) -> None:
         """`step`'s compiled program is about to be dispatched (a host that blocks here blocks
         inside the step, as far as its peers can tell)."""
+
+    def corrupt(self, step: int, state):
+        """`step` is dispatched; the state after it, as this host holds it (a fault may change
+        its copy)."""
+        return state
 
     def step_work(self, step: int, read_back: Callable[[], float]) -> None:
         """`step` is dispatched; time spent here is this host's own work on it (`read_back()`

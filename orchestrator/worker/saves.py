@@ -99,6 +99,8 @@ class SaveHook(Hook):
 
     def after_step(self, done: StepDispatched) -> None:
         self.saves.settle_if_done()
+        if done.corrupt:
+            return  # (a state whose copies differ is never committed)
         if done.boundary or done.stop is Stop.NOW:
             self.saves.save(done.step, functools.partial(self._save, done.state, done.step))
             self.lap(Checkpoint, step=done.step)

@@ -29,6 +29,7 @@ from .inputs import Prefetch, batches
 from .laps import Deferred, Laps, Reporter
 from .process import compile_once, start_group
 from .progress import Progress
+from .replicas import ReplicaCheck
 from .restore import Restored, restore_or_init
 from .saves import SaveHook, Saves
 from .scalars import scalar_metrics
@@ -221,9 +222,13 @@ def _train(
     position = DataPosition(spec.global_batch, *restored.position)
     saves = Saves(loaded.store, report, spec.checkpoint.dir)
     pace = SnapshotPace(spec.checkpoint.snapshot_time_share, peers, fixed=spec.checkpoint.snapshot_every)
+    replicas = ReplicaCheck(_replica_program(loaded, spec), sharded(loaded.abstract_state, loaded.state_shardings),
+                            spec.digest_every, restored.meta.data_position, report,
+                            agreed=lambda: agreement.replica_every)  # fmt: skip
     agreement = StopAgreement(
-        should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval, propose_digest=programs.digest.ready
-    )
+        should_stop, spec.num_processes, propose_snapshots=lambda: pace.interval, propose_digest=programs.digest.ready,
+        propose_replica_every=lambda: replicas.measured,
+    )  # fmt: skip
     # MFU: the program's FLOPs over what the devices the plan uses could do in the step's time.
     peak = loaded.plan.devices_used * profile(spec.hardware).peak_flops
     tokens = spec.global_batch * loaded.program.tokens_per_example
@@ -238,6 +243,7 @@ def _train(
         held_out = HostBatches(loaded.program.evaluation.data, DataPosition(spec.global_batch),
                                loaded.batch_shardings, loaded.abstract_batch)  # fmt: skip
         hooks.append(EvalHook(programs.evaluation, held_out, loaded.program.evaluation, lap))
+    hooks.append(replicas)  # (before the save and the snapshot: what it finds corrupt is neither)
     hooks.append(SaveHook(saves, loaded.plan, programs.digest, position, spec, fault, lap))
     hooks.append(AheadHook(ahead, loaded.program, loaded.abstract_state, loaded.abstract_batch, spec, report))
     hooks.append(SnapshotHook(peers, pace, position, spec, programs.digest, lambda: agreement.digest_ready))
@@ -252,6 +258,16 @@ def _train(
         programs.digest.close()
     lap(CheckpointFlush, step=reached)
     return {"last_step": reached}
+
+
+def _replica_program(loaded: _Loaded, spec) -> Callable:
+    """The replicas' comparison program, compiled once, when first asked for."""
+    import functools
+
+    from ..job.replicas import compile_replica_sums
+
+    target = sharded(loaded.abstract_state, loaded.state_shardings)
+    return functools.cache(lambda: compile_replica_sums(target, lambda lowered: compile_once(lowered, spec)))
 
 
 def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepReports, agreement, hooks, fault,
@@ -272,6 +288,7 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
         state, metrics = step_fn(state, batch)
         progress.mark(index + 1, LoopAt.DISPATCHED)
         reports.blocked += time.time() - t_dispatch
+        state = fault.corrupt(index + 1, state)
         reports.dispatched(index + 1, metrics, agreement.snapshot_every)
         reached = index + 1
         fault.step_work(reached, reports.read_back_seconds)

@@ -73,7 +73,7 @@ class SnapshotHook(Hook):
 
     def after_step(self, done: StepDispatched) -> None:
         every = done.snapshot_every
-        if done.ends_segment or not every or done.step % every:
+        if done.ends_segment or not every or done.step % every or done.corrupt:
             return
         seconds = done.read_back()  # the copy waits for the step anyway; its report goes with it
         meta = CheckpointMeta(

@@ -66,6 +66,11 @@ def hung(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def flipped(tmp_path_factory):
+    return run_job(tmp_path_factory, "flipped", 40, "flip@25:3")
+
+
+@pytest.fixture(scope="module")
 def coordinator_lost(tmp_path_factory):
     return run_job(tmp_path_factory, "coordinator", 60, "lose@30:0")
 
@@ -171,6 +176,24 @@ def test_a_hung_step_is_found_its_stacks_written_and_the_job_goes_on_without_the
     assert_same_losses(hung, static)
     assert_restores_are_bitwise(hung)
     assert_recovered_with_parts_recorded(hung, losses=1)
+
+
+def test_a_flipped_bit_in_one_copy_is_found_named_and_trained_past_from_the_last_agreeing_step(flipped, static):
+    assert flipped["state"] == "finished" and flipped["steps_completed"] == 40
+    (sdc,) = kinds(flipped, "corruption")
+    assert sdc["host"] == 3 and sdc["action"] == "repaired and excluded", sdc
+    evidence = sdc["evidence"]
+    found_at = evidence["found_after_step"]
+    every = evidence["every"]
+    # Compared every `every` steps and at each checkpoint boundary (10): found at the first after 25.
+    assert 25 < found_at <= min(30, 25 + every if every else 30), (found_at, every)
+    assert all(d["processes"] == [3] and d["majority"] for d in evidence["disagreements"])
+    assert evidence["clean_step"] <= 25  # back to a step whose copies agreed, before the flip
+    (restore,) = kinds(flipped, "restore")[-1:]
+    assert restore["step"] == evidence["clean_step"] and restore["step"] >= restore["committed"]
+    assert [s["hosts"] for s in flipped["segments"]] == [4, 3]
+    assert_same_losses(flipped, static)  # every step after the flip computed again, without host 3
+    assert_restores_are_bitwise(flipped)
 
 
 # The coordinator's loss and a loss in a save are runs of their own, and the fault storm has

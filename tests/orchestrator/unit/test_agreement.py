@@ -10,12 +10,13 @@ from orchestrator.worker.agreement import StopAgreement
 class Process0:
     """The broadcast: every process gets process 0's proposal; records the steps it was asked at."""
 
-    def __init__(self, stop=Stop.RUN, snapshots=0, digest=False):
+    def __init__(self, stop=Stop.RUN, snapshots=0, digest=False, replica_every=0):
         self.stop, self.snapshots, self.digest, self.asked = stop, snapshots, digest, []
+        self.replica_every = replica_every
 
     def __call__(self, proposal):
         self.asked.append(proposal.copy())
-        return np.array([int(self.stop), proposal[1], self.snapshots, int(self.digest)], np.int32)
+        return np.array([int(self.stop), proposal[1], self.snapshots, int(self.digest), self.replica_every], np.int32)
 
 
 def test_one_process_asks_its_own_flag_every_step():
@@ -69,3 +70,14 @@ def test_the_digest_rides_with_snapshots_once_process_0_has_it_and_stays_on():
     process0.digest = False
     mine.agree(30, True, 0.1)
     assert mine.digest_ready  # once agreed, every later snapshot carries it
+
+
+def test_the_replicas_interval_is_process_0s_and_once_agreed_stays():
+    process0 = Process0(replica_every=7)
+    mine = StopAgreement(lambda: Stop.RUN, processes=2, broadcast=process0, propose_replica_every=lambda: 3)
+    assert mine.replica_every == 0
+    mine.agree(10, True, 0.1)
+    assert mine.replica_every == 7 and process0.asked[-1][4] == 3  # this host proposed its own, got process 0's
+    process0.replica_every = 9
+    mine.agree(20, True, 0.1)
+    assert mine.replica_every == 7  # (every process compares at the same steps for the rest of the segment)

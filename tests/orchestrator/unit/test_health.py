@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.control import policies
 from orchestrator.control.health import (
+    CorruptionWatch,
     HangWatch,
     HealthyScaling,
     Quarantine,
@@ -17,7 +18,7 @@ from orchestrator.control.health import (
     waited_on,
 )
 from orchestrator.control.state import Running, Segment
-from orchestrator.protocol import EventKind, Step
+from orchestrator.protocol import EventKind, ReplicasDiffer, Step
 
 NODES = ("n0", "n1", "n2", "n3")
 
@@ -192,3 +193,21 @@ def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_host
     clock.t += 100
     watch.on_poll(view)
     assert watch.hung() is None  # once a group
+
+
+def test_copies_that_differ_send_the_job_back_to_their_last_agreement_without_the_named_host():
+    watch, quarantine, corruption = StragglerWatch(), Quarantine(_Cluster()), CorruptionWatch()
+    scaling = HealthyScaling(policies.ScalingPolicy(2, 4), watch, quarantine, lambda d: 1.0 / d, 2,
+                             corruption=corruption)  # fmt: skip
+    differ = {"leaf": "params/w", "block": [[0, 8]], "copies": 4, "devices": [7], "processes": [3], "majority": True}
+    corruption.on_report(_view(), 1, ReplicasDiffer(step=30, clean_step=25, every=5, disagreements=[differ]), False)
+    assert corruption.found() is None  # the host that speaks for the group says it, once
+    corruption.on_report(_view(), 0, ReplicasDiffer(step=30, clean_step=25, every=5, disagreements=[differ]), True)
+    decision = scaling.while_running(_view(), _running(), quarantine.alive_hosts)
+    assert isinstance(decision, policies.Evict) and decision.hosts == (3,) and decision.restore_at_most == 25
+    assert decision.event == EventKind.CORRUPTION and decision.fields["action"] == "repaired and excluded"
+    assert quarantine.alive_hosts() == ["n0", "n1", "n2"]
+    two = dict(differ, copies=2, devices=[1, 5], processes=[0, 2], majority=False)
+    corruption.on_report(_view(), 0, ReplicasDiffer(step=40, clean_step=35, every=5, disagreements=[two]), True)
+    decision = scaling.while_running(_view(), _running(), quarantine.alive_hosts)
+    assert decision.hosts == () and decision.restore_at_most == 35  # no majority: back, on the same hosts

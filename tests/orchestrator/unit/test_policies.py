@@ -77,3 +77,14 @@ def test_slow_step_takes_a_host_and_a_factor():
     for bad in ("slow-step@20:2x1", "slow@20:2x3", "lose@3x2", "slow-step@20:1+2"):
         with pytest.raises(ChaosSpecError):
             parse_chaos(bad)
+
+
+def test_hang_and_flip_parse():
+    flip, low, hang = parse_chaos("hang@30:1,flip@25:3,flip@26:3x0")
+    assert hang == Fault("hang", 30, (1,)) and ChaosInjector((hang,)).step_hangs() == [hang]
+    assert flip == Fault("flip", 25, (3,), 30.0) and low.factor == 0.0 and str(low) == "flip@26:3x0"
+    assert parse_chaos(str(low)) == (low,)
+    assert ChaosInjector((flip, low)).flips() == [flip, low] and ChaosInjector((flip,)).due(100) == []
+    for bad in ("flip@25:3x32", "flip@25:3x1.5", "hang@30:1x2"):
+        with pytest.raises(ChaosSpecError):
+            parse_chaos(bad)

@@ -68,6 +68,22 @@ WIRE = [
     {"kind": "compile_ahead", "seconds": 4.0, "devices": 4, "executables": {"plan": "k", "step": ["b", "t"]}},
     {"kind": "compile_ahead", "seconds": 0.1, "error": "ValueError: no"},
     {"kind": "chaos_frozen", "phase": "save", "step": 15},
+    {
+        "kind": "replicas_differ",
+        "step": 30,
+        "clean_step": 20,
+        "every": 5,
+        "disagreements": [
+            {
+                "leaf": "params/w",
+                "block": [[0, 8], [2, 4]],
+                "copies": 4,
+                "devices": [7],
+                "processes": [3],
+                "majority": True,
+            }
+        ],
+    },
 ]
 
 
@@ -85,6 +101,8 @@ def test_every_kind_has_a_report_and_the_summary_lists_the_same_events_as_before
         "checkpoint_corrupt", "checkpoint_failed", "eval", "compile_ahead",
         # and, since the fleet scheduler (issue 28), its decisions on a shared cluster:
         "queued", "shrink", "grow", "suspend", "admitted",
+        # and, since the health loop (issue 43), what it decides of a slow, hung or corrupt host:
+        "straggler", "hang", "corruption",
     }  # fmt: skip
 
 
