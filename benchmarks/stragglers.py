@@ -5,10 +5,11 @@ times as long from step 20), run as `remesh run` legs in turn, side by side in o
     .venv/bin/python benchmarks/stragglers.py [--rounds 3] [--steps 60]
 
 Legs, each round in this order:
-    healthy          no fault, [health] stragglers = "act" (the default)
-    healthy, off     no fault, stragglers = "off": what the checks cost (overhead)
-    slow, off        the slow host, stragglers = "off": training at the straggler's pace
-    slow, act        the slow host, stragglers = "act": named, excluded, the job on 3 hosts
+    healthy              no fault, every check on (the defaults: stragglers = "act", the state's
+                         copies compared as often as costs 1% of a step)
+    healthy, checks off  no fault, stragglers = "off", digest_every = -1: what the checks cost
+    slow, off            the slow host, stragglers = "off": training at the straggler's pace
+    slow, act            the slow host, stragglers = "act": named, excluded, the job on 3 hosts
 
 Reported per leg: the median step seconds over the steps after acting (from step `--from` on, the
 segment's first step left out), throughput against the healthy leg of the same round, when the
@@ -28,29 +29,29 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEGS = {
-    "healthy": ("act", None),
-    "healthy, off": ("off", None),
-    "slow, off": ("off", "slow-step@20:2x3"),
-    "slow, act": ("act", "slow-step@20:2x3"),
+LEGS = {  # ([health] stragglers, digest_every, --chaos)
+    "healthy": ("act", 0, None),
+    "healthy, checks off": ("off", -1, None),
+    "slow, off": ("off", 0, "slow-step@20:2x3"),
+    "slow, act": ("act", 0, "slow-step@20:2x3"),
 }
 
 
-def job_text(steps: int, ckpt: str, stragglers: str) -> str:
+def job_text(steps: int, ckpt: str, stragglers: str, digest_every: int) -> str:
     """The demo job file, `steps` long, checkpointing into `ckpt`, with the health loop as given."""
     with open(os.path.join(ROOT, "examples/gpt/job.toml")) as f:
         text = f.read()
     text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
     text = re.sub(r'(?m)^dir = ".*"', f'dir = "{ckpt}"', text)
-    return text + f'\n[health]\nstragglers = "{stragglers}"\n'
+    return text + f'\n[health]\nstragglers = "{stragglers}"\ndigest_every = {digest_every}\n'
 
 
 def leg(name: str, steps: int, start: int, where: str) -> dict:
-    stragglers, chaos = LEGS[name]
+    stragglers, digest_every, chaos = LEGS[name]
     d = tempfile.mkdtemp(prefix="stragglers-", dir=where)
     job = os.path.join(d, "job.toml")
     with open(job, "w") as f:
-        f.write(job_text(steps, os.path.join(d, "ckpt"), stragglers))
+        f.write(job_text(steps, os.path.join(d, "ckpt"), stragglers, digest_every))
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", job, "--summary", f"{d}/summary.json",
            "--store", f"{d}/fleet.db"] + (["--chaos", chaos] if chaos else [])  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -24,7 +24,7 @@
     snapshot_every = 0             # optional: a peer snapshot every so many steps, whatever it costs; 0: by budget
     [health]                       # optional: the health loop (orchestrator/control/health.py)
     stragglers = "act"             # "act": go on without a slow host where predicted faster; "warn"; "off"
-    digest_every = 0               # steps between the replicas' state digests; 0: as often as costs 1% of a step
+    digest_every = 0               # steps between comparisons of the state's copies; 0: as often as costs 1%; -1: never
     [options]                      # optional, free: handed to a program factory (`JobSettings.options`)
     train_tokens = ["data/train.bin"]
 
@@ -71,7 +71,8 @@ class CheckpointSpec:
 @dataclasses.dataclass(frozen=True)
 class HealthSpec:
     """The `[health]` table: what the health loop does of a slow host (`stragglers`), and how
-    often the replicas' state is compared (`digest_every` steps; 0: as often as costs 1%)."""
+    often the state's copies are compared (`digest_every` steps; 0: as often as costs 1% of a
+    step; -1: never, and checkpoints are saved uncompared)."""
 
     stragglers: str = "act"
     digest_every: int = 0
@@ -220,10 +221,10 @@ def _health(raw: Any, source: str) -> HealthSpec:
             f"{source}: key health.stragglers must be one of {', '.join(STRAGGLER_MODES)}, got {spec.stragglers!r}; "
             '"act" goes on without a slow host where that is predicted faster, "warn" only says so'
         )
-    if spec.digest_every < 0:
+    if spec.digest_every < -1:
         raise JobFileError(
-            f"{source}: key health.digest_every must be 0 (as often as costs 1% of a step) or a number of steps, "
-            f"got {spec.digest_every}"
+            f"{source}: key health.digest_every must be a number of steps, 0 (as often as costs 1% of a step) or "
+            f"-1 (never), got {spec.digest_every}"
         )
     return spec
 

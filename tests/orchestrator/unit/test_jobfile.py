@@ -117,7 +117,8 @@ def test_health_table_takes_a_straggler_mode_and_a_digest_interval():
     assert job.health == HealthSpec("warn", 50)
     with pytest.raises(JobFileError, match="key health.stragglers must be one of act, warn, off"):
         parse_job(with_(health={"stragglers": "evict"}))
-    with pytest.raises(JobFileError, match="key health.digest_every must be 0"):
-        parse_job(with_(health={"digest_every": -1}))
+    with pytest.raises(JobFileError, match=r"key health.digest_every must be a number of steps, 0 .* or -1 \(never\)"):
+        parse_job(with_(health={"digest_every": -2}))
+    assert parse_job(with_(health={"digest_every": -1})).health.digest_every == -1  # never
     with pytest.raises(JobFileError, match="unknown key health.straglers"):
         parse_job(with_(health={"straglers": "act"}))
