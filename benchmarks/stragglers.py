@@ -3,6 +3,7 @@ hosts x 2 fake CPU devices) with `--chaos slow-step@20:2x3` (host 2's work on ea
 times as long from step 20), run as `remesh run` legs in turn, side by side in one script.
 
     .venv/bin/python benchmarks/stragglers.py [--rounds 3] [--steps 60]
+    .venv/bin/python benchmarks/stragglers.py --false-alarm    # 300 healthy steps, jittered, one stall
 
 Legs, each round in this order:
     healthy              no fault, every check on (the defaults: stragglers = "act", the state's
@@ -10,6 +11,11 @@ Legs, each round in this order:
     healthy, checks off  no fault, stragglers = "off", digest_every = -1: what the checks cost
     slow, off            the slow host, stragglers = "off": training at the straggler's pace
     slow, act            the slow host, stragglers = "act": named, excluded, the job on 3 hosts
+
+`--false-alarm`: the demo job for 300 steps with every check on, every host's step work jittered
+by a random 0 to 40% of a healthy step from step 10 (`jitter@10x0.2`: +-20% around its mean) and
+host 1 stopped once for 5 s after step 150 (`stall@150:1x5`); reported: every straggler, hang and
+corruption event (none is the pass), and the segments.
 
 Reported per leg: the median step seconds over the steps after acting (from step `--from` on, the
 segment's first step left out), throughput against the healthy leg of the same round, when the
@@ -30,6 +36,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEGS = {  # ([health] stragglers, digest_every, --chaos)
+    "jittered, one stall": ("act", 0, "jitter@10x0.2,stall@150:1x5"),  # (--false-alarm only)
     "healthy": ("act", 0, None),
     "healthy, checks off": ("off", -1, None),
     "slow, off": ("off", 0, "slow-step@20:2x3"),
@@ -67,7 +74,10 @@ def leg(name: str, steps: int, start: int, where: str) -> dict:
     firsts = {seg: min(step for s, step, _ in rows if s == seg) for seg, _, _ in rows}
     seconds = [sec for seg, step, sec in rows if step >= start and step != firsts[seg]]
     slow = [e for e in summary["events"] if e["kind"] == "straggler"]
+    health = [{k: e.get(k) for k in ("kind", "step", "host", "action", "reason")} for e in summary["events"]
+              if e["kind"] in ("straggler", "hang", "corruption")]  # fmt: skip
     return {
+        "health_events": health,
         "leg": name,
         "median_step_seconds": statistics.median(seconds),
         "losses": summary["losses"],
@@ -81,11 +91,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--from", dest="start", type=int, default=30, help="median step time from this step on")
+    ap.add_argument("--false-alarm", action="store_true", help="300 healthy steps, jittered, one 5 s stall")
     args = ap.parse_args()
     where = tempfile.mkdtemp(prefix="remesh-stragglers-")
-    results: dict[str, list[dict]] = {name: [] for name in LEGS}
+    if args.false_alarm:
+        got = leg("jittered, one stall", 300, args.start, where)
+        print(json.dumps({k: v for k, v in got.items() if k != "losses"}, indent=1))
+        return
+    legs = [name for name in LEGS if name != "jittered, one stall"]
+    results: dict[str, list[dict]] = {name: [] for name in legs}
     for r in range(args.rounds):
-        for name in LEGS:
+        for name in legs:
             got = leg(name, args.steps, args.start, where)
             results[name].append(got)
             print(json.dumps({"round": r, **{k: v for k, v in got.items() if k != "losses"}}), flush=True)

@@ -24,6 +24,13 @@ hang@S[:H]            host H blocks as it dispatches step S, its actor still ans
 flip@S[:H][xB]        after step S, bit B (default 30, a high exponent bit of a float32) of one
                       element of host H's copy of a replicated parameter flips: silent data
                       corruption in one copy (fires once)
+flip-grad@S[:H]       host H's rows of step S's batch are corrupted (integers XOR 1, floats x 1000)
+                      as it feeds them, the first time it computes step S: its local gradient is
+                      wrong before the reduction, and the update reaches every copy alike (a loss
+                      spike; fires once)
+jitter@S[xF]          from step S on, every host's work on each step takes a random extra
+                      0 to 2F (0.2) of a healthy step: healthy hosts that vary (no straggler)
+stall@S[:H][xT]       after step S, host H stops for T (5) seconds once: a pause, not a straggler
 slow-step@S[:H][xF]   from step S on, host H's work on each step takes F times as long (default
                       3): a slow host, the slowness its own, not its input's; it follows the
                       node (a group without it runs at full speed), on any cluster
@@ -32,6 +39,7 @@ slow-step@S[:H][xF]   from step S on, host H's work on each step takes F times a
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 import threading
 import time
@@ -44,14 +52,22 @@ from .worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
-         "slow", "slow-step", "hang", "flip")  # fmt: skip
+         "slow", "slow-step", "hang", "flip", "flip-grad", "jitter", "stall")  # fmt: skip
 SLOW_INPUT_SECONDS = 0.3
 SLOW_STEP_FACTOR = 3.0
-ANY_CLUSTER = ("slow", "slow-step", "hang", "flip")  # kinds that need no control over the cluster's nodes
+ANY_CLUSTER = (
+    "slow",
+    "slow-step",
+    "hang",
+    "flip",
+    "flip-grad",
+    "jitter",
+    "stall",
+)  # kinds that need no control over the cluster's nodes
 FLIP_BIT = 30
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?(?:x(?P<factor>\d+(?:\.\d+)?))?$")
-_FACTOR = ("slow-step", "flip")  # kinds that take xF (flip: the bit)
-_NO_HOST = ("add", "add-in-recovery")
+_FACTOR = ("slow-step", "flip", "jitter", "stall")  # kinds that take xF (flip: the bit; stall: seconds)
+_NO_HOST = ("add", "add-in-recovery", "jitter")
 
 
 class ChaosSpecError(ValueError):
@@ -96,7 +112,9 @@ def parse_chaos(text: str | None) -> tuple[Fault, ...]:
         hosts = tuple(int(h) for h in m["hosts"].split("+")) if m["hosts"] else ()
         if m["factor"] and m["kind"] not in _FACTOR:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: only {', '.join(_FACTOR)} takes xFACTOR")
-        default = {"slow-step": SLOW_STEP_FACTOR, "flip": float(FLIP_BIT)}.get(m["kind"], 0.0)
+        default = {"slow-step": SLOW_STEP_FACTOR, "flip": float(FLIP_BIT), "jitter": 0.2, "stall": 5.0}.get(
+            m["kind"], 0.0
+        )
         factor = float(m["factor"]) if m["factor"] else default
         if m["kind"] == "slow-step" and factor <= 1:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: xFACTOR must be above 1 (how many times as long)")
@@ -148,13 +166,14 @@ class ChaosInjector:
         """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
         return {(f.hosts[0] if f.hosts else None): f.step for f in self._pending if f.kind == "slow"}
 
-    def flips(self) -> list[Fault]:
-        """`flip` faults not found yet: they ride in every group until a corruption is."""
-        return [f for f in self._pending if f.kind == "flip"]
+    def flips(self, kind: str = "flip") -> list[Fault]:
+        """`flip` (or `flip-grad`) faults not found yet: they ride in every group until a
+        corruption is."""
+        return [f for f in self._pending if f.kind == kind]
 
     def step_hangs(self) -> list[Fault]:
         """`hang` faults not fired yet: they ride in every group until a hang is found."""
-        return [f for f in self._pending if f.kind == "hang"]
+        return self.flips("hang")
 
     def slow_steps(self) -> list[Fault]:
         """`slow-step` faults (they never fire: the node they name stays slow)."""
@@ -193,8 +212,11 @@ class ChaosCallback(ControllerCallback):
         slow_step = self._slow_step_hosts(view)
         hang = {f.host_in(hosts): f.step for f in self.injector.step_hangs()}
         flip = {f.host_in(hosts): (f.step, int(f.factor)) for f in self.injector.flips()}
+        grad = {f.host_in(hosts): f.step for f in self.injector.flips("flip-grad")}
+        jitter = {i: (f.step, f.factor) for f in self.injector.flips("jitter") for i in range(hosts)}
+        stall = {f.host_in(hosts): (f.step, f.factor) for f in self.injector.flips("stall")}
         hooks = {}
-        for i in sorted({*save, *phase, *slow, *slow_step, *hang, *flip}):
+        for i in sorted({*save, *phase, *slow, *slow_step, *hang, *flip, *grad, *jitter, *stall}):
             args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
             if i in slow_step:
                 args["slow_step"] = slow_step[i]
@@ -202,6 +224,12 @@ class ChaosCallback(ControllerCallback):
                 args["hang_at_step"] = hang[i]
             if i in flip:
                 args["flip"] = flip[i]
+            if i in grad:
+                args["flip_grad_at"] = grad[i]
+            if i in jitter:
+                args["jitter"] = jitter[i]
+            if i in stall:
+                args["stall"] = stall[i]
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
 
@@ -223,9 +251,14 @@ class ChaosCallback(ControllerCallback):
                 self.hosts.add_host()
 
     def on_event(self, view, event) -> None:
-        found = {EventKind.HANG: self.injector.step_hangs, EventKind.CORRUPTION: self.injector.flips}.get(event.kind)
-        for fault in found() if found else ():  # found: it does not ride in the next group
+        found = {EventKind.HANG: ("hang",), EventKind.CORRUPTION: ("flip", "flip-grad")}.get(event.kind, ())
+        for fault in [f for kind in found for f in self.injector.flips(kind)]:  # found: not in the next group
+            self.print(f"chaos {fault}: found ({event.kind})")
             self.injector.fired(fault)
+        if event.kind == EventKind.STRAGGLER:  # (a slow node stays slow: the fault rides on)
+            for fault in self.injector.slow_steps():
+                if fault in self._slow_nodes and self._slow_nodes[fault] == event.fields.get("node"):
+                    self.print(f"chaos {fault}: found (straggler, {event.fields.get('action')})")
 
     def on_report(self, view, host, report, speaker) -> None:
         if isinstance(report, Hang):  # whichever host hangs is the one to kill
@@ -280,9 +313,13 @@ class HostFaults(FaultHook):
 
     def __init__(self, report, hang_in: str | None = None, hang_before_save: int | None = None,
                  slow_input_from: int | None = None, slow_step: tuple[int, float] | None = None,
-                 hang_at_step: int | None = None, flip: tuple[int, int] | None = None):  # fmt: skip
+                 hang_at_step: int | None = None, flip: tuple[int, int] | None = None,
+                 flip_grad_at: int | None = None, jitter: tuple[int, float] | None = None,
+                 stall: tuple[int, float] | None = None):  # fmt: skip
         self.report, self.hang_in, self.hang_at_step = report, hang_in, hang_at_step
         self.flip = flip  # (after step, bit)
+        self.flip_grad_at = flip_grad_at
+        self.jitter, self.stall = jitter, stall  # (from step, share of a step); (after step, seconds)
         self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
         self.slow_step = slow_step  # (from step, factor)
         self._step_work: float | None = None  # a healthy step's seconds, read once the slowness begins
@@ -306,6 +343,15 @@ class HostFaults(FaultHook):
         if step == self.hang_at_step:
             threading.Event().wait()  # (the actor answers on; the controller's health loop stops it)
 
+    def batch(self, step: int, batch):
+        """At the flip-grad's step, this host's rows of the batch corrupted (once)."""
+        if step != self.flip_grad_at:
+            return batch
+        import jax
+
+        self.flip_grad_at = None
+        return jax.tree.map(_garbled, batch)
+
     def corrupt(self, step: int, state):
         """After the flip's step, one bit of one element of this host's copy of a replicated
         floating-point leaf flips (the first leaf with at least three copies: a majority can
@@ -323,13 +369,19 @@ class HostFaults(FaultHook):
 
     def step_work(self, step: int, read_back) -> None:
         """From the slow step on, this host finishes each step's work (F - 1) healthy steps'
-        time late: the others wait for it in the next step's collectives."""
-        if self.slow_step is None or step < self.slow_step[0]:
-            return
-        seconds = read_back()
-        if self._step_work is None:
-            self._step_work = seconds  # (the first slow step's own time: the slowness begins after it)
-        time.sleep((self.slow_step[1] - 1) * self._step_work)
+        time late: the others wait for it in the next step's collectives. Jitter adds a random
+        share of a healthy step; a stall, seconds once."""
+        extra = 0.0
+        if self.stall is not None and step == self.stall[0]:
+            time.sleep(self.stall[1])
+        for fault, share in ((self.slow_step, lambda f: f - 1), (self.jitter, lambda f: random.uniform(0, 2 * f))):
+            if fault is not None and step >= fault[0]:
+                if self._step_work is None:
+                    self._step_work = read_back()  # (the first such step's own time: it begins after it)
+                extra += share(fault[1]) * self._step_work
+        if extra:
+            read_back()
+            time.sleep(extra)
 
     def _hang(self, phase: str, step: int | None = None) -> None:
         self.report(Hang(phase=phase, step=step))
@@ -357,5 +409,19 @@ def _flipped(leaf, bit: int):
         if n == 0:
             words = data.reshape(-1).view({2: np.uint16, 4: np.uint32, 8: np.uint32}[data.dtype.itemsize])
             words[0] ^= words.dtype.type(1 << (bit % (8 * words.dtype.itemsize)))
+        shards.append(jax.device_put(data, s.device))
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+
+
+def _garbled(leaf):
+    """`leaf` with this process's rows corrupted: integers XOR 1 (tokens become their neighbours),
+    floats times 1000."""
+    import jax
+    import numpy as np
+
+    shards = []
+    for s in leaf.addressable_shards:
+        data = np.array(s.data)
+        data = data ^ 1 if np.issubdtype(data.dtype, np.integer) else (data * 1000).astype(data.dtype)
         shards.append(jax.device_put(data, s.device))
     return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)

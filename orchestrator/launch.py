@@ -20,6 +20,7 @@ from .control.health import (
     CorruptionWatch,
     HangWatch,
     HealthyScaling,
+    LossWatch,
     Quarantine,
     StragglerConfig,
     StragglerWatch,
@@ -98,12 +99,12 @@ def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list):
     stragglers as `[health] stragglers` says."""
     watch = StragglerWatch(StragglerConfig(mode=job.health.stragglers))
     hangs = HangWatch(os.path.join(os.path.dirname(job.checkpoint.dir), "logs"))
-    corruption = CorruptionWatch()
-    callbacks += [watch, hangs, corruption]
+    corruption, losses = CorruptionWatch(), LossWatch()
+    callbacks += [watch, hangs, corruption, losses]
     quarantine = Quarantine(cluster)
     inner = scaling or ScalingPolicy(job.hosts.min, job.hosts.max)
     predict = lambda d: _predicted(plans, d)  # noqa: E731
-    return quarantine, HealthyScaling(inner, watch, quarantine, predict, job.hosts.min, hangs, corruption)
+    return quarantine, HealthyScaling(inner, watch, quarantine, predict, job.hosts.min, hangs, corruption, losses)
 
 
 def _predicted(plans: PlanCache, devices: int) -> float:

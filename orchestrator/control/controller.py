@@ -237,7 +237,8 @@ class JobController:
         specs = GroupSpecs(self.job, plan_json, len(self.segments),
                            slice_ids(self.cluster.slice_of(), self.group.node_ids), self.plans.fingerprint,
                            self.config.compilation_cache, self.model_flops,
-                           self.callbacks.test_hooks(self.view, state.hosts))  # fmt: skip
+                           self.callbacks.test_hooks(self.view, state.hosts),
+                           state.recovery.at_most if state.recovery is not None else None)  # fmt: skip
         try:
             self.group.start(specs.for_process, self._snapshot_placements(), self.plans.executables(plan_json))
         except HostsLostError as e:  # a host died between the plan and the start: recover as from any loss

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -277,6 +278,67 @@ class CorruptionWatch(ControllerCallback):
         return found
 
 
+@dataclasses.dataclass(frozen=True)
+class SpikeConfig:
+    """A loss is a spike when it is not finite, or above the loss before it by more than
+    max(`floor`, `spread` x the median relative change of the `window` steps before): past the
+    first `warmup` steps, when a loss changes little from step to step."""
+
+    warmup: int = 20
+    window: int = 20
+    floor: float = 0.1
+    spread: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Spike:
+    step: int
+    loss: float
+    before: float  # the loss of the step before
+    allowed: float  # the relative rise allowed
+
+    def evidence(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "before": self.before, "allowed_rise": round(self.allowed, 4)}
+
+
+class LossWatch(ControllerCallback):
+    """Reads the loss of every step (from the host that speaks for the group) and finds a spike:
+    a corruption that reached every copy alike (a wrong gradient before its reduction) leaves the
+    copies equal and moves the loss. A step found once is not found again: computed again, a spike
+    that comes back is the data's."""
+
+    def __init__(self, config: SpikeConfig = SpikeConfig()):
+        self.config = config
+        self._losses: dict[int, float] = {}
+        self._found: Spike | None = None
+        self._spiked: set[int] = set()
+
+    def on_report(self, view, host: int, report, speaker: bool) -> None:
+        if not speaker or not isinstance(report, Step):
+            return
+        spike = self._judge(report.step, report.loss)
+        self._losses[report.step] = report.loss
+        if spike is not None and spike.step not in self._spiked:
+            self._spiked.add(spike.step)
+            self._found = spike
+
+    def _judge(self, step: int, loss: float) -> Spike | None:
+        c = self.config
+        before = [self._losses[s] for s in range(step - c.window - 1, step) if s in self._losses]
+        if step <= c.warmup or len(before) < c.window // 2 or (step - 1) not in self._losses:
+            return None
+        previous = self._losses[step - 1]
+        changes = [abs(b - a) / max(abs(a), 1e-12) for a, b in zip(before, before[1:])]
+        allowed = max(c.floor, c.spread * statistics.median(changes)) if changes else c.floor
+        if math.isfinite(loss) and loss <= previous * (1 + allowed):
+            return None
+        return Spike(step, loss, previous, allowed)
+
+    def found(self) -> Spike | None:
+        found, self._found = self._found, None
+        return found
+
+
 def corrupted_hosts(found: ReplicasDiffer) -> tuple[int, ...]:
     """The hosts whose copies the majority of their block's copies named; () where no majority
     named any (two copies that differ: either may be the bad one)."""
@@ -345,11 +407,11 @@ class HealthyScaling(policies.Scaling):
 
     def __init__(self, inner: policies.Scaling, watch: StragglerWatch, quarantine: Quarantine,
                  predict: Callable[[int], float], min_hosts: int, hangs: HangWatch | None = None,
-                 corruption: CorruptionWatch | None = None):  # fmt: skip
+                 corruption: CorruptionWatch | None = None, losses: LossWatch | None = None):  # fmt: skip
         self.inner, self.watch, self.quarantine, self.predict, self.min_hosts = (
             inner, watch, quarantine, predict, min_hosts,
         )  # fmt: skip
-        self.hangs, self.corruption = hangs, corruption
+        self.hangs, self.corruption, self.losses = hangs, corruption, losses
 
     def attach(self, view) -> None:
         self.inner.attach(view)
@@ -364,6 +426,9 @@ class HealthyScaling(policies.Scaling):
         corrupt = self.corruption.found() if self.corruption is not None else None
         if corrupt is not None:
             return self._repair(view, corrupt)
+        spike = self.losses.found() if self.losses is not None else None
+        if spike is not None:
+            return self._recompute(spike)
         hung = self.hangs.hung() if self.hangs is not None else None
         if hung is not None:
             return self._evict(hung)
@@ -414,6 +479,15 @@ class HealthyScaling(policies.Scaling):
                                "disagreements": found.disagreements},
                   "action": "repaired and excluded" if hosts else "repaired"}  # fmt: skip
         return policies.Evict(hosts, why, EventKind.CORRUPTION, fields, restore_at_most=found.clean_step)
+
+    @staticmethod
+    def _recompute(spike: Spike) -> policies.Evict:
+        """A loss spike: the step is computed again from the state before it (a peer snapshot, else
+        the newest commit), on the same hosts; training goes on from the step computed again."""
+        why = (f"the loss at step {spike.step} is {spike.loss:.4g}, up from {spike.before:.4g} (more than "
+               f"{spike.allowed:.0%} a step): computed again from the state before it")  # fmt: skip
+        fields = {"host": None, "evidence": spike.evidence(), "action": "recomputed"}
+        return policies.Evict((), why, EventKind.CORRUPTION, fields, restore_at_most=spike.step - 1)
 
     def _decide(self, view, state, found: Straggler) -> Exclude:
         staying = found.step_seconds

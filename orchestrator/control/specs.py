@@ -28,6 +28,7 @@ class GroupSpecs:
     compilation_cache: str | None
     model_flops: float | None
     hooks: Mapping[int, HookRef]  # fault injection: process -> its hook
+    restore_at_most: int | None = None  # the newest step to restore (after a corruption)
 
     def for_process(self, process_id: int, coordinator: str) -> SegmentSpec:
         job = self.job
@@ -52,4 +53,5 @@ class GroupSpecs:
             slices=len(set(self.slices)),
             slice_id=self.slices[process_id],
             digest_every=job.health.digest_every,
+            restore_at_most=self.restore_at_most,
         )

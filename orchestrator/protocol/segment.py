@@ -66,6 +66,9 @@ class SegmentSpec:
     # Steps between comparisons of the state's copies (`job.replicas`); 0: as often as costs 1% of
     # a step, measured; -1: never.
     digest_every: int = 0
+    # The newest step to restore (a corruption found after it: its copies' last agreement, or the
+    # step before a loss spike); None: the newest there is.
+    restore_at_most: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -98,6 +98,10 @@ class FaultHook:
         """`step`'s compiled program is about to be dispatched (a host that blocks here blocks
         inside the step, as far as its peers can tell)."""
 
+    def batch(self, step: int, batch):
+        """`step`'s batch as this host feeds it (a fault may change its rows)."""
+        return batch
+
     def corrupt(self, step: int, state):
         """`step` is dispatched; the state after it, as this host holds it (a fault may change
         its copy)."""

@@ -31,8 +31,10 @@ class Restored:
         return self.meta.data_position, self.meta.examples_seen
 
 
-def restore_or_init(store, program, key, target, digest: DigestProgram, global_batch: int, lap, peers=None) -> Restored:
-    """`lap`: where the restore's reports go (a `Deferred` when it runs beside the compile)."""
+def restore_or_init(store, program, key, target, digest: DigestProgram, global_batch: int, lap, peers=None,
+                    at_most: int | None = None) -> Restored:  # fmt: skip
+    """`lap`: where the restore's reports go (a `Deferred` when it runs beside the compile);
+    `at_most`: the newest committed step to restore (newer ones hold a corruption found since)."""
     import jax
 
     from checkpoint import CheckpointCorruptError, CheckpointFormatError
@@ -40,7 +42,7 @@ def restore_or_init(store, program, key, target, digest: DigestProgram, global_b
     restored = restore_snapshot(peers, target, digest, lap)
     if restored is not None:
         return restored
-    committed = store.steps()
+    committed = [s for s in store.steps() if at_most is None or s <= at_most]
     for step in reversed(committed):
         try:
             state, stats = store.restore_with_stats(step, target=target)

@@ -136,7 +136,8 @@ def _compile_beside_restore(loaded: _Loaded, spec, lap: Laps, fault: FaultHook, 
     def restore() -> Restored:
         fault.entering("restore")
         key = jax.random.key(spec.seed)
-        return restore_or_init(loaded.store, program, key, target, digest, spec.global_batch, deferred, peers)
+        return restore_or_init(loaded.store, program, key, target, digest, spec.global_batch, deferred, peers,
+                               spec.restore_at_most)  # fmt: skip
 
     restored = restoring.submit(restore)
     plan_jit, as_planned = loaded.plan.jit, loaded.plan.program
@@ -279,7 +280,7 @@ def _loop(step_fn, restored: Restored, spec, inputs: Prefetch, reports: StepRepo
     progress = progress or Progress()
     for index in range(first, spec.steps):
         t_input = time.time()
-        batch = inputs.take(index)
+        batch = fault.batch(index + 1, inputs.take(index))
         fault.input_read(index + 1)
         t_dispatch = time.time()
         reports.waited += t_dispatch - t_input

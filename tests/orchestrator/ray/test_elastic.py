@@ -71,6 +71,11 @@ def flipped(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def spiked(tmp_path_factory):
+    return run_job(tmp_path_factory, "spiked", 40, "flip-grad@25:3")
+
+
+@pytest.fixture(scope="module")
 def coordinator_lost(tmp_path_factory):
     return run_job(tmp_path_factory, "coordinator", 60, "lose@30:0")
 
@@ -194,6 +199,18 @@ def test_a_flipped_bit_in_one_copy_is_found_named_and_trained_past_from_the_last
     assert [s["hosts"] for s in flipped["segments"]] == [4, 3]
     assert_same_losses(flipped, static)  # every step after the flip computed again, without host 3
     assert_restores_are_bitwise(flipped)
+
+
+def test_a_corrupted_local_gradient_is_caught_at_its_step_and_the_step_computed_again(spiked, static):
+    assert spiked["state"] == "finished" and spiked["steps_completed"] == 40
+    (sdc,) = kinds(spiked, "corruption")
+    assert sdc["action"] == "recomputed" and sdc["evidence"]["step"] == 25, sdc  # caught at that step
+    assert sdc["evidence"]["loss"] > sdc["evidence"]["before"] * (1 + sdc["evidence"]["allowed_rise"])
+    (restore,) = kinds(spiked, "restore")[-1:]
+    assert restore["step"] <= 24 and restore["step"] >= restore["committed"]  # from the state before it
+    assert [s["hosts"] for s in spiked["segments"]] == [4, 4]  # on the same hosts
+    assert_same_losses(spiked, static)  # the spike computed again: every step's loss the clean run's
+    assert_restores_are_bitwise(spiked)
 
 
 # The coordinator's loss and a loss in a save are runs of their own, and the fault storm has

@@ -12,6 +12,7 @@ from orchestrator.control.health import (
     CorruptionWatch,
     HangWatch,
     HealthyScaling,
+    LossWatch,
     Quarantine,
     StragglerConfig,
     StragglerWatch,
@@ -211,3 +212,26 @@ def test_copies_that_differ_send_the_job_back_to_their_last_agreement_without_th
     corruption.on_report(_view(), 0, ReplicasDiffer(step=40, clean_step=35, every=5, disagreements=[two]), True)
     decision = scaling.while_running(_view(), _running(), quarantine.alive_hosts)
     assert decision.hosts == () and decision.restore_at_most == 35  # no majority: back, on the same hosts
+
+
+def _loss(watch: LossWatch, step: int, loss: float, speaker: bool = True) -> None:
+    watch.on_report(None, 0, Step(seconds=0.3, at=float(step), step=step, loss=loss), speaker)
+
+
+def test_a_loss_spike_is_found_once_and_computed_again_from_the_step_before():
+    rng = random.Random(3)
+    watch = LossWatch()
+    for step in range(1, 25):  # falling fast at first (no spike before the warm-up ends), then slowly
+        _loss(watch, step, 5.5 * 0.93**step * rng.uniform(0.98, 1.02) if step < 15 else 2.6 - 0.01 * step)
+        assert watch.found() is None, step
+    _loss(watch, 25, 2.35, speaker=False)
+    assert watch.found() is None  # the host that speaks for the group says it
+    _loss(watch, 25, 3.3)
+    spike = watch.found()
+    assert spike is not None and spike.step == 25 and spike.before == pytest.approx(2.36)
+    decision = HealthyScaling._recompute(spike)
+    assert decision.hosts == () and decision.restore_at_most == 24 and decision.fields["action"] == "recomputed"
+    _loss(watch, 25, 3.3)
+    assert watch.found() is None  # computed again and high again: the data's, not a fault's
+    _loss(watch, 26, float("nan"))
+    assert watch.found().step == 26  # not finite: a spike whatever the trend

@@ -88,3 +88,11 @@ def test_hang_and_flip_parse():
     for bad in ("flip@25:3x32", "flip@25:3x1.5", "hang@30:1x2"):
         with pytest.raises(ChaosSpecError):
             parse_chaos(bad)
+
+
+def test_jitter_and_stall_parse():
+    stall, jitter = parse_chaos("jitter@10x0.2,stall@150:1x5")[::-1]
+    assert jitter == Fault("jitter", 10, (), 0.2) and stall == Fault("stall", 150, (1,), 5.0)
+    assert parse_chaos("jitter@10")[0].factor == 0.2 and parse_chaos("stall@3:2")[0].factor == 5.0
+    with pytest.raises(ChaosSpecError):
+        parse_chaos("jitter@10:1")  # every host jitters: no host to name
