@@ -167,8 +167,9 @@ class FailurePolicy:
         if available < self.min_hosts:
             return Fail(f"{failure.hosts_alive} hosts left, the job needs at least {self.min_hosts} (hosts.min)")
         if failure.hosts_lost == 0:
-            # Only processes died; their hosts are still there, so run on the same hosts again.
-            return Restart(
-                min(failure.hosts_in_group, available), f"{failure.processes_lost} process(es) died on live hosts"
-            )
+            # Only processes died (or none: the health loop stopped the group); their hosts are
+            # still there, so run on the same hosts again.
+            why = (f"{failure.processes_lost} process(es) died on live hosts" if failure.processes_lost
+                   else "the group was stopped, its hosts live")  # fmt: skip
+            return Restart(min(failure.hosts_in_group, available), why)
         return Resize(available, f"{failure.hosts_lost} host(s) lost")
