@@ -166,18 +166,10 @@ class ChaosInjector:
         """`slow` faults (they never fire: they ride in every segment's spec): host -> from step."""
         return {(f.hosts[0] if f.hosts else None): f.step for f in self._pending if f.kind == "slow"}
 
-    def flips(self, kind: str = "flip") -> list[Fault]:
-        """`flip` (or `flip-grad`) faults not found yet: they ride in every group until a
-        corruption is."""
+    def pending(self, kind: str) -> list[Fault]:
+        """Faults of `kind` not fired yet. The health loop's ride in every group until what they
+        cause is found (`hang`, `flip`, `flip-grad`), or for ever (`slow-step`, `jitter`, `stall`)."""
         return [f for f in self._pending if f.kind == kind]
-
-    def step_hangs(self) -> list[Fault]:
-        """`hang` faults not fired yet: they ride in every group until a hang is found."""
-        return self.flips("hang")
-
-    def slow_steps(self) -> list[Fault]:
-        """`slow-step` faults (they never fire: the node they name stays slow)."""
-        return [f for f in self._pending if f.kind == "slow-step"]
 
     def fired(self, fault: Fault) -> None:
         self._pending = [f for f in self._pending if f != fault]
@@ -209,27 +201,20 @@ class ChaosCallback(ControllerCallback):
         save = {f.host_in(hosts): f.step for f in hangs if f.phase == "save"}
         phase = {f.host_in(hosts): f.phase for f in sorted(hangs, key=_phase_order, reverse=True) if f.phase != "save"}
         slow = {(h if h is not None else hosts - 1): s for h, s in self.injector.slow_hosts().items()}
-        slow_step = self._slow_step_hosts(view)
-        hang = {f.host_in(hosts): f.step for f in self.injector.step_hangs()}
-        flip = {f.host_in(hosts): (f.step, int(f.factor)) for f in self.injector.flips()}
-        grad = {f.host_in(hosts): f.step for f in self.injector.flips("flip-grad")}
-        jitter = {i: (f.step, f.factor) for f in self.injector.flips("jitter") for i in range(hosts)}
-        stall = {f.host_in(hosts): (f.step, f.factor) for f in self.injector.flips("stall")}
+        pending = self.injector.pending
+        # The health loop's faults: HostFaults' argument -> {host: its value}.
+        health = {
+            "slow_step": self._slow_step_hosts(view),
+            "hang_at_step": {f.host_in(hosts): f.step for f in pending("hang")},
+            "flip": {f.host_in(hosts): (f.step, int(f.factor)) for f in pending("flip")},
+            "flip_grad_at": {f.host_in(hosts): f.step for f in pending("flip-grad")},
+            "jitter": {i: (f.step, f.factor) for f in pending("jitter") for i in range(hosts)},
+            "stall": {f.host_in(hosts): (f.step, f.factor) for f in pending("stall")},
+        }
         hooks = {}
-        for i in sorted({*save, *phase, *slow, *slow_step, *hang, *flip, *grad, *jitter, *stall}):
+        for i in sorted({*save, *phase, *slow, *(h for found in health.values() for h in found)}):
             args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
-            if i in slow_step:
-                args["slow_step"] = slow_step[i]
-            if i in hang:
-                args["hang_at_step"] = hang[i]
-            if i in flip:
-                args["flip"] = flip[i]
-            if i in grad:
-                args["flip_grad_at"] = grad[i]
-            if i in jitter:
-                args["jitter"] = jitter[i]
-            if i in stall:
-                args["stall"] = stall[i]
+            args.update({name: found[i] for name, found in health.items() if i in found})
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
 
@@ -238,7 +223,7 @@ class ChaosCallback(ControllerCallback):
         fault names host H of the first group; its node stays slow in every group it is in."""
         nodes = list(view.group.node_ids)
         out = {}
-        for fault in self.injector.slow_steps():
+        for fault in self.injector.pending("slow-step"):
             node = self._slow_nodes.setdefault(fault, nodes[fault.host_in(len(nodes))])
             if node in nodes:
                 out[nodes.index(node)] = (fault.step, fault.factor)
@@ -252,11 +237,11 @@ class ChaosCallback(ControllerCallback):
 
     def on_event(self, view, event) -> None:
         found = {EventKind.HANG: ("hang",), EventKind.CORRUPTION: ("flip", "flip-grad")}.get(event.kind, ())
-        for fault in [f for kind in found for f in self.injector.flips(kind)]:  # found: not in the next group
+        for fault in [f for kind in found for f in self.injector.pending(kind)]:  # found: not in the next group
             self.print(f"chaos {fault}: found ({event.kind})")
             self.injector.fired(fault)
         if event.kind == EventKind.STRAGGLER:  # (a slow node stays slow: the fault rides on)
-            for fault in self.injector.slow_steps():
+            for fault in self.injector.pending("slow-step"):
                 if fault in self._slow_nodes and self._slow_nodes[fault] == event.fields.get("node"):
                     self.print(f"chaos {fault}: found (straggler, {event.fields.get('action')})")
 

@@ -1,12 +1,16 @@
-"""The health loop: a host that is slow without dying, found from what every host reports each
-step, and the job going on without it where that is predicted faster.
+"""The health loop: faults that do not crash, found from what the hosts report, and acted on
+through the transitions a host loss or a resize already takes.
 
-Two parts, as everywhere in the controller: `StragglerWatch` is a callback that reads each host's
-step reports and names a straggler with its evidence; `HealthyScaling` is the scaling policy that
-decides what to do of it (exclude the host, or warn) and otherwise asks the job's own scaling
-policy. The exclusion is carried out by transitions that exist already: the host is set aside in
-the `Quarantine` (a view of the cluster without it) and the job resizes at once onto the hosts
-left, restoring from the peer snapshots as after a shrink.
+Two parts, as everywhere in the controller. Watches are callbacks that read the reports and say
+what they found, with its evidence: `StragglerWatch` (a host slower than its peers),
+`HangWatch` (a step that never finishes while every host answers; it writes every host's stacks
+first), `CorruptionWatch` (copies of the state that should be equal and are not,
+`job.replicas`), `LossWatch` (a loss spike: a corruption that reached every copy alike).
+`HealthyScaling` is the scaling policy that decides what follows, and otherwise asks the job's
+own: a straggler is excluded where the planner prices the hosts left faster than staying (else
+warned of), a hung or corrupt host is set aside and the job recovers without it, from the newest
+state that is known good, and a spike's step is computed again. A host set aside stays in the
+`Quarantine` (a view of the cluster without it) for the rest of the run.
 
 How a straggler is told. In SPMD every host's step takes the same time, so step time names
 nobody; the time each host spends blocked on the devices and its peers does: the others wait for
@@ -29,8 +33,6 @@ from collections.abc import Callable, Sequence
 from ..hosts.interface import Cluster, Placement
 from ..protocol import ControllerCallback, EventKind, LoopAt, ReplicasDiffer, Step
 from . import policies
-
-MODES = ("act", "warn", "off")
 
 
 @dataclasses.dataclass(frozen=True)

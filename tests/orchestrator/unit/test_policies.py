@@ -73,7 +73,7 @@ def test_slow_step_takes_a_host_and_a_factor():
     faults = parse_chaos("slow-step@20:2x3,slow-step@5")
     assert faults == (Fault("slow-step", 5, (), 3.0), Fault("slow-step", 20, (2,), 3.0))
     assert str(faults[1]) == "slow-step@20:2x3" and parse_chaos("slow-step@7:1x1.5")[0].factor == 1.5
-    assert ChaosInjector(faults).slow_steps() == list(faults) and ChaosInjector(faults).due(100) == []
+    assert ChaosInjector(faults).pending("slow-step") == list(faults) and ChaosInjector(faults).due(100) == []
     for bad in ("slow-step@20:2x1", "slow@20:2x3", "lose@3x2", "slow-step@20:1+2"):
         with pytest.raises(ChaosSpecError):
             parse_chaos(bad)
@@ -81,10 +81,10 @@ def test_slow_step_takes_a_host_and_a_factor():
 
 def test_hang_and_flip_parse():
     flip, low, hang = parse_chaos("hang@30:1,flip@25:3,flip@26:3x0")
-    assert hang == Fault("hang", 30, (1,)) and ChaosInjector((hang,)).step_hangs() == [hang]
+    assert hang == Fault("hang", 30, (1,)) and ChaosInjector((hang,)).pending("hang") == [hang]
     assert flip == Fault("flip", 25, (3,), 30.0) and low.factor == 0.0 and str(low) == "flip@26:3x0"
     assert parse_chaos(str(low)) == (low,)
-    assert ChaosInjector((flip, low)).flips() == [flip, low] and ChaosInjector((flip,)).due(100) == []
+    assert ChaosInjector((flip, low)).pending("flip") == [flip, low] and ChaosInjector((flip,)).due(100) == []
     for bad in ("flip@25:3x32", "flip@25:3x1.5", "hang@30:1x2"):
         with pytest.raises(ChaosSpecError):
             parse_chaos(bad)
