@@ -28,6 +28,8 @@ flip-grad@S[:H]       host H's rows of step S's batch are corrupted (integers XO
                       as it feeds them, the first time it computes step S: its local gradient is
                       wrong before the reduction, and the update reaches every copy alike (a loss
                       spike; fires once)
+heal@S                after step S is reported, every slow-step host computes at full speed again
+                      (its probe passes, and the health loop takes it back)
 jitter@S[xF]          from step S on, every host's work on each step takes a random extra
                       0 to 2F (0.2) of a healthy step: healthy hosts that vary (no straggler)
 stall@S[:H][xT]       after step S, host H stops for T (5) seconds once: a pause, not a straggler
@@ -52,7 +54,7 @@ from .worker.hooks import FaultHook
 
 PHASES = ("start", "compile", "restore")  # where a `lose-in-<phase>` host hangs, in a group's order
 KINDS = ("lose", "lose-slice", "lose-in-save", *(f"lose-in-{p}" for p in PHASES), "add", "add-in-recovery", "freeze",
-         "slow", "slow-step", "hang", "flip", "flip-grad", "jitter", "stall")  # fmt: skip
+         "slow", "slow-step", "hang", "flip", "flip-grad", "jitter", "stall", "heal")  # fmt: skip
 SLOW_INPUT_SECONDS = 0.3
 SLOW_STEP_FACTOR = 3.0
 ANY_CLUSTER = (
@@ -67,7 +69,7 @@ ANY_CLUSTER = (
 FLIP_BIT = 30
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?(?:x(?P<factor>\d+(?:\.\d+)?))?$")
 _FACTOR = ("slow-step", "flip", "jitter", "stall")  # kinds that take xF (flip: the bit; stall: seconds)
-_NO_HOST = ("add", "add-in-recovery", "jitter")
+_NO_HOST = ("add", "add-in-recovery", "jitter", "heal")
 
 
 class ChaosSpecError(ValueError):
@@ -139,7 +141,9 @@ class ChaosInjector:
     def due(self, completed_step: int) -> list[Fault]:
         """`lose`, `add` and `freeze` faults whose step has been reached (each fires once)."""
         fired = [
-            f for f in self._pending if f.kind in ("lose", "lose-slice", "add", "freeze") and f.step <= completed_step
+            f
+            for f in self._pending
+            if f.kind in ("lose", "lose-slice", "add", "freeze", "heal") and f.step <= completed_step
         ]
         self._pending = [f for f in self._pending if f not in fired]
         return fired
@@ -218,6 +222,11 @@ class ChaosCallback(ControllerCallback):
             hooks[i] = HookRef(f"{__name__}:HostFaults", args)
         return hooks
 
+    def probe_hook(self, node: str) -> HookRef | None:
+        """The hook for a probe of `node` (`hosts.probe`): slow where a slow-step fault slows it."""
+        slow = [f for f in self.injector.pending("slow-step") if self._slow_nodes.get(f) == node]
+        return HookRef(f"{__name__}:HostFaults", {"slow_step": (slow[0].step, slow[0].factor)}) if slow else None
+
     def _slow_step_hosts(self, view) -> dict[int, tuple[int, float]]:
         """Each slow node's index in the group starting now: (from step, factor). A slow-step
         fault names host H of the first group; its node stays slow in every group it is in."""
@@ -267,6 +276,11 @@ class ChaosCallback(ControllerCallback):
             elif fault.kind == "add":
                 self.print(f"chaos {fault}: adding a host")
                 self.hosts.add_host()
+            elif fault.kind == "heal":
+                slow = self.injector.pending("slow-step")
+                self.print(f"chaos {fault}: {len(slow)} slow host(s) at full speed again")
+                for f in slow:
+                    self.injector.fired(f)
 
     def _slice_hosts(self, view, fault: Fault) -> list[int]:
         """The group's hosts in its slice K (slices in the group's order; K beyond them: the last)."""
@@ -323,6 +337,10 @@ class HostFaults(FaultHook):
     def input_read(self, step: int) -> None:
         if self.slow_input_from is not None and step >= self.slow_input_from:
             time.sleep(SLOW_INPUT_SECONDS)
+
+    def probe_work(self, seconds: float) -> None:
+        if self.slow_step is not None:
+            time.sleep((self.slow_step[1] - 1) * seconds)
 
     def dispatching(self, step: int) -> None:
         if step == self.hang_at_step:

@@ -30,6 +30,7 @@ from .control.policies import ScalingPolicy
 from .dashboard.store import FleetStoreConfig
 from .fleet.cluster import FleetCluster
 from .hosts.interface import Cluster, EmulatedHosts
+from .hosts.probe import HostProbe
 from .hosts.slices import SlicedCluster, SliceLayout, cluster_layout, host_slices
 from .job.jobfile import JobSpec
 from .job.lock import RunLock
@@ -79,12 +80,16 @@ def run_job(
         goodput = GoodputCallback()
         summary = SummaryCallback(goodput)
         callbacks = [goodput, summary, RecorderCallback(recorder, goodput, summary), ConsoleCallback(printer)]
+        chaos_hooks = None
         if faults:
             from .chaos import ChaosCallback
 
-            callbacks.append(ChaosCallback(faults, printer, hosts=where.emulated))
+            chaos_callback = ChaosCallback(faults, printer, hosts=where.emulated)
+            callbacks.append(chaos_callback)
+            chaos_hooks = chaos_callback.probe_hook
         scaling = FleetFollowing(job.hosts.min, where.fleet) if where.fleet is not None else None
-        cluster, scaling = _health(job, cluster, scaling, plans, callbacks)
+        env = {**cluster.host_env(), **config.env_vars}  # (as the controller gives its host actors)
+        cluster, scaling = _health(job, cluster, scaling, plans, callbacks, env, chaos_hooks)
         controller = JobController(job, cluster, plans=plans, config=config, callbacks=callbacks, scaling=scaling,
                                    model_flops=model_flops, committed=committed, snapshots=keepers,
                                    standby=standby)  # fmt: skip
@@ -93,7 +98,7 @@ def run_job(
     return summary.summary
 
 
-def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list):
+def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list, env: dict, probe_hooks=None):
     """The health loop, as the job file's `[health]` says: its watches among the callbacks, and
     the cluster and scaling policy the controller gets with it. Hangs are always watched for;
     stragglers as `[health] stragglers` says."""
@@ -104,7 +109,9 @@ def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list):
     quarantine = Quarantine(cluster)
     inner = scaling or ScalingPolicy(job.hosts.min, job.hosts.max)
     predict = lambda d: _predicted(plans, d)  # noqa: E731
-    return quarantine, HealthyScaling(inner, watch, quarantine, predict, job.hosts.min, hangs, corruption, losses)
+    probe = HostProbe(env, probe_hooks or (lambda node: None))
+    return quarantine, HealthyScaling(inner, watch, quarantine, predict, job.hosts.min, hangs, corruption, losses,
+                                      probe)  # fmt: skip
 
 
 def _predicted(plans: PlanCache, devices: int) -> float:

@@ -392,6 +392,27 @@ class Quarantine(Cluster):
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    """A straggler set aside is probed `first_after_s` after, then at twice the wait each time it is
+    still slow (at most `max_wait_s`); it is taken back when its probe takes at most `healthy`
+    times a peer's."""
+
+    first_after_s: float = 10.0
+    max_wait_s: float = 600.0
+    healthy: float = 1.25
+
+
+@dataclasses.dataclass
+class _Probation:
+    node: str
+    next_at: float  # controller clock
+    wait_s: float
+    tries: int = 0
+    probing: object = None  # a probe under way (`hosts.probe.Probing`)
+    ratios: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
 class Exclude:
     """What `HealthyScaling` decided of a straggler, for the event that records it."""
 
@@ -409,11 +430,15 @@ class HealthyScaling(policies.Scaling):
 
     def __init__(self, inner: policies.Scaling, watch: StragglerWatch, quarantine: Quarantine,
                  predict: Callable[[int], float], min_hosts: int, hangs: HangWatch | None = None,
-                 corruption: CorruptionWatch | None = None, losses: LossWatch | None = None):  # fmt: skip
+                 corruption: CorruptionWatch | None = None, losses: LossWatch | None = None, probe=None,
+                 probing: ProbeConfig = ProbeConfig()):  # fmt: skip
+        """`probe`: a `hosts.probe.HostProbe` (None: a straggler set aside stays aside)."""
         self.inner, self.watch, self.quarantine, self.predict, self.min_hosts = (
             inner, watch, quarantine, predict, min_hosts,
         )  # fmt: skip
         self.hangs, self.corruption, self.losses = hangs, corruption, losses
+        self.probe, self.probing = probe, probing
+        self._probation: dict[str, _Probation] = {}
 
     def attach(self, view) -> None:
         self.inner.attach(view)
@@ -434,6 +459,9 @@ class HealthyScaling(policies.Scaling):
         hung = self.hangs.hung() if self.hangs is not None else None
         if hung is not None:
             return self._evict(hung)
+        taken = self._probed(view)
+        if taken is not None:
+            return taken
         found = self.watch.named()
         if found is None or state.resize:
             return self.inner.while_running(view, state, alive)
@@ -445,6 +473,9 @@ class HealthyScaling(policies.Scaling):
         if decided.action == "warned":
             return policies.Warn(EventKind.STRAGGLER, self._why(found, decided), fields)
         self.quarantine.exclude(found.node, f"straggler at step {found.steps[-1]}")
+        if self.probe is not None:
+            wait = self.probing.first_after_s
+            self._probation[found.node] = _Probation(found.node, view.clock() + wait, wait)
         return policies.Resize(state.target - 1, self._why(found, decided), EventKind.STRAGGLER, at_once=True,
                                fields=fields)  # fmt: skip
 
@@ -481,6 +512,35 @@ class HealthyScaling(policies.Scaling):
                                "disagreements": found.disagreements},
                   "action": "repaired and excluded" if hosts else "repaired"}  # fmt: skip
         return policies.Evict(hosts, why, EventKind.CORRUPTION, fields, restore_at_most=found.clean_step)
+
+    def _probed(self, view) -> policies.Warn | None:
+        """Probes the stragglers set aside that are due (beside a host of the group, without
+        waiting), and takes back the first whose probe is healthy: the job's scaling policy then
+        sees one more host, as a host added."""
+        if not self._probation:
+            return None
+        group, now = view.group, view.clock()
+        for p in list(self._probation.values()):
+            if p.probing is None:
+                if now >= p.next_at and group is not None and [n for n in group.node_ids if n != p.node]:
+                    p.probing = self.probe.start(p.node, next(n for n in group.node_ids if n != p.node))
+                continue
+            ratio = self.probe.result(p.probing)
+            if ratio is False:
+                continue  # (still running)
+            p.probing, p.tries = None, p.tries + 1
+            p.ratios.append(None if ratio is None else round(ratio, 3))
+            if ratio is not None and ratio <= self.probing.healthy:
+                del self._probation[p.node]
+                self.quarantine.release(p.node)
+                why = (f"node {p.node[:8]}, set aside as a straggler, passed its probe ({ratio:.2f}x a peer's time, "
+                       f"at most {self.probing.healthy:.2f}x): taken back")  # fmt: skip
+                fields = {"host": None, "node": p.node, "action": "taken back",
+                          "evidence": {"probe_ratios": p.ratios, "tries": p.tries}}  # fmt: skip
+                return policies.Warn(EventKind.STRAGGLER, why, fields)
+            p.wait_s = min(2 * p.wait_s, self.probing.max_wait_s)
+            p.next_at = now + p.wait_s
+        return None
 
     @staticmethod
     def _recompute(spike: Spike) -> policies.Evict:

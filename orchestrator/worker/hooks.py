@@ -94,6 +94,9 @@ class FaultHook:
     def input_read(self, step: int) -> None:
         """`step`'s batch is read; the time until it is dispatched counts as input time."""
 
+    def probe_work(self, seconds: float) -> None:
+        """A probe of this host took `seconds` (`hosts.probe`): a slow host's probe is slow too."""
+
     def dispatching(self, step: int) -> None:
         """`step`'s compiled program is about to be dispatched (a host that blocks here blocks
         inside the step, as far as its peers can tell)."""

@@ -235,3 +235,46 @@ def test_a_loss_spike_is_found_once_and_computed_again_from_the_step_before():
     assert watch.found() is None  # computed again and high again: the data's, not a fault's
     _loss(watch, 26, float("nan"))
     assert watch.found().step == 26  # not finite: a spike whatever the trend
+
+
+class _Probe:
+    """A probe whose answers the test gives: False (running), a ratio, or None (failed)."""
+
+    def __init__(self, answers):
+        self.answers, self.started = list(answers), []
+
+    def start(self, node, reference):
+        self.started.append((node, reference))
+        return node
+
+    def result(self, probing):
+        return self.answers.pop(0)
+
+
+def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_healthy():
+    clock = _Clock()
+    probe = _Probe([False, 3.1, 1.05])
+    watch, quarantine = _named_watch("act"), Quarantine(_Cluster())
+    scaling = HealthyScaling(policies.ScalingPolicy(2, 4), watch, quarantine, lambda d: 1.0 / d, 2, probe=probe)
+    view = types.SimpleNamespace(**vars(_view()), clock=clock)
+    decision = scaling.while_running(view, _running(), quarantine.alive_hosts)
+    assert isinstance(decision, policies.Resize) and quarantine.alive_hosts() == ["n0", "n1", "n3"]
+    later = _view(3)
+    later.group.node_ids = ("n0", "n1", "n3")
+    view = types.SimpleNamespace(**vars(later), clock=clock)
+    running = _running(3)
+    for t in (5.0, 10.0, 10.5, 11.0):  # due at 10 s; running; 3.1x a peer: still slow, next in 20 s
+        clock.t = t
+        assert isinstance(scaling.while_running(view, running, quarantine.alive_hosts), policies.Continue)
+    assert probe.started == [("n2", "n0")] and "n2" not in quarantine.alive_hosts()
+    clock.t = 30.0
+    scaling.while_running(view, running, quarantine.alive_hosts)
+    assert len(probe.started) == 1  # (backed off: 20 s after the failed probe)
+    clock.t = 31.5
+    scaling.while_running(view, running, quarantine.alive_hosts)  # started
+    taken = scaling.while_running(view, running, quarantine.alive_hosts)
+    assert isinstance(taken, policies.Warn) and taken.fields["action"] == "taken back", taken
+    assert taken.fields["evidence"] == {"probe_ratios": [3.1, 1.05], "tries": 2}
+    assert "n2" in quarantine.alive_hosts()
+    grow = scaling.while_running(view, running, quarantine.alive_hosts)
+    assert isinstance(grow, policies.Resize) and grow.hosts == 4 and grow.event == EventKind.HOST_ADDED
