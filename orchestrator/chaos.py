@@ -24,10 +24,10 @@ hang@S[:H]            host H blocks as it dispatches step S, its actor still ans
 flip@S[:H][xB]        after step S, bit B (default 30, a high exponent bit of a float32) of one
                       element of host H's copy of a replicated parameter flips: silent data
                       corruption in one copy (fires once)
-flip-grad@S[:H]       host H's rows of step S's batch are corrupted (integers XOR 1, floats x 1000)
-                      as it feeds them, the first time it computes step S: its local gradient is
-                      wrong before the reduction, and the update reaches every copy alike (a loss
-                      spike; fires once)
+flip-grad@S[:H][xN]   host H's rows of step S's batch are corrupted (integers XOR 1, floats x 1000)
+                      as it feeds them: its local gradient is wrong before the reduction, and the
+                      update reaches every copy alike (a loss spike). Once (N = 1, the default),
+                      or every time its node computes step S (N = 0: a bad host)
 heal@S                after step S is reported, every slow-step host computes at full speed again
                       (its probe passes, and the health loop takes it back)
 jitter@S[xF]          from step S on, every host's work on each step takes a random extra
@@ -68,7 +68,13 @@ ANY_CLUSTER = (
 )  # kinds that need no control over the cluster's nodes
 FLIP_BIT = 30
 _FAULT = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<hosts>\d+(?:\+\d+)*))?(?:x(?P<factor>\d+(?:\.\d+)?))?$")
-_FACTOR = ("slow-step", "flip", "jitter", "stall")  # kinds that take xF (flip: the bit; stall: seconds)
+_FACTOR = (
+    "slow-step",
+    "flip",
+    "jitter",
+    "stall",
+    "flip-grad",
+)  # take xF (flip: the bit; stall: seconds; flip-grad: times)
 _NO_HOST = ("add", "add-in-recovery", "jitter", "heal")
 
 
@@ -114,14 +120,15 @@ def parse_chaos(text: str | None) -> tuple[Fault, ...]:
         hosts = tuple(int(h) for h in m["hosts"].split("+")) if m["hosts"] else ()
         if m["factor"] and m["kind"] not in _FACTOR:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: only {', '.join(_FACTOR)} takes xFACTOR")
-        default = {"slow-step": SLOW_STEP_FACTOR, "flip": float(FLIP_BIT), "jitter": 0.2, "stall": 5.0}.get(
-            m["kind"], 0.0
-        )
+        default = {"slow-step": SLOW_STEP_FACTOR, "flip": float(FLIP_BIT), "jitter": 0.2, "stall": 5.0,
+                   "flip-grad": 1.0}.get(m["kind"], 0.0)  # fmt: skip
         factor = float(m["factor"]) if m["factor"] else default
         if m["kind"] == "slow-step" and factor <= 1:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: xFACTOR must be above 1 (how many times as long)")
         if m["kind"] == "flip" and (factor != int(factor) or not 0 <= factor < 32):
             raise ChaosSpecError(f"bad fault {item.strip()!r}: flip's xBIT must be a bit of a 32-bit word, 0 to 31")
+        if m["kind"] == "flip-grad" and factor not in (0, 1):
+            raise ChaosSpecError(f"bad fault {item.strip()!r}: flip-grad's xN is 1 (once) or 0 (every time)")
         if hosts and m["kind"] in _NO_HOST:
             raise ChaosSpecError(f"bad fault {item.strip()!r}: {m['kind']}@STEP takes no host")
         if len(hosts) > 1 and m["kind"] != "lose":
@@ -196,7 +203,7 @@ class ChaosCallback(ControllerCallback):
         self.hosts = hosts
         self.print = printer or (lambda line: print(line, flush=True))
         self._caused: dict[str, float] = {}  # node id -> when a fault killed or stopped it (controller clock)
-        self._slow_nodes: dict[Fault, str] = {}  # slow-step fault -> the node it names (in the first group)
+        self._nodes: dict[Fault, str] = {}  # a fault that follows its node -> the node (its host in the first group)
 
     def test_hooks(self, view, hosts: int) -> dict[int, HookRef]:
         """A `HostFaults` hook for each host of a new group that must hang in a phase or straggle.
@@ -208,10 +215,10 @@ class ChaosCallback(ControllerCallback):
         pending = self.injector.pending
         # The health loop's faults: HostFaults' argument -> {host: its value}.
         health = {
-            "slow_step": self._slow_step_hosts(view),
+            "slow_step": self._on_nodes(view, "slow-step", lambda f: (f.step, f.factor)),
             "hang_at_step": {f.host_in(hosts): f.step for f in pending("hang")},
             "flip": {f.host_in(hosts): (f.step, int(f.factor)) for f in pending("flip")},
-            "flip_grad_at": {f.host_in(hosts): f.step for f in pending("flip-grad")},
+            "flip_grad_at": self._on_nodes(view, "flip-grad", lambda f: (f.step, f.factor == 0)),
             "jitter": {i: (f.step, f.factor) for f in pending("jitter") for i in range(hosts)},
             "stall": {f.host_in(hosts): (f.step, f.factor) for f in pending("stall")},
         }
@@ -224,18 +231,18 @@ class ChaosCallback(ControllerCallback):
 
     def probe_hook(self, node: str) -> HookRef | None:
         """The hook for a probe of `node` (`hosts.probe`): slow where a slow-step fault slows it."""
-        slow = [f for f in self.injector.pending("slow-step") if self._slow_nodes.get(f) == node]
+        slow = [f for f in self.injector.pending("slow-step") if self._nodes.get(f) == node]
         return HookRef(f"{__name__}:HostFaults", {"slow_step": (slow[0].step, slow[0].factor)}) if slow else None
 
-    def _slow_step_hosts(self, view) -> dict[int, tuple[int, float]]:
-        """Each slow node's index in the group starting now: (from step, factor). A slow-step
-        fault names host H of the first group; its node stays slow in every group it is in."""
+    def _on_nodes(self, view, kind: str, value) -> dict:
+        """{its node's index in the group starting now: `value(fault)`} for the pending faults of
+        `kind`, which follow their node: host H of the first group, in every group it is in."""
         nodes = list(view.group.node_ids)
         out = {}
-        for fault in self.injector.pending("slow-step"):
-            node = self._slow_nodes.setdefault(fault, nodes[fault.host_in(len(nodes))])
+        for fault in self.injector.pending(kind):
+            node = self._nodes.setdefault(fault, nodes[fault.host_in(len(nodes))])
             if node in nodes:
-                out[nodes.index(node)] = (fault.step, fault.factor)
+                out[nodes.index(node)] = value(fault)
         return out
 
     def on_state(self, view, previous, state) -> None:
@@ -247,11 +254,12 @@ class ChaosCallback(ControllerCallback):
     def on_event(self, view, event) -> None:
         found = {EventKind.HANG: ("hang",), EventKind.CORRUPTION: ("flip", "flip-grad")}.get(event.kind, ())
         for fault in [f for kind in found for f in self.injector.pending(kind)]:  # found: not in the next group
-            self.print(f"chaos {fault}: found ({event.kind})")
-            self.injector.fired(fault)
+            self.print(f"chaos {fault}: found ({event.kind}, {event.fields.get('action')})")
+            if not (fault.kind == "flip-grad" and fault.factor == 0):  # (a bad host's fault comes back)
+                self.injector.fired(fault)
         if event.kind == EventKind.STRAGGLER:  # (a slow node stays slow: the fault rides on)
             for fault in self.injector.pending("slow-step"):
-                if fault in self._slow_nodes and self._slow_nodes[fault] == event.fields.get("node"):
+                if self._nodes.get(fault) == event.fields.get("node"):
                     self.print(f"chaos {fault}: found (straggler, {event.fields.get('action')})")
 
     def on_report(self, view, host, report, speaker) -> None:
@@ -313,11 +321,11 @@ class HostFaults(FaultHook):
     def __init__(self, report, hang_in: str | None = None, hang_before_save: int | None = None,
                  slow_input_from: int | None = None, slow_step: tuple[int, float] | None = None,
                  hang_at_step: int | None = None, flip: tuple[int, int] | None = None,
-                 flip_grad_at: int | None = None, jitter: tuple[int, float] | None = None,
+                 flip_grad_at: tuple[int, bool] | None = None, jitter: tuple[int, float] | None = None,
                  stall: tuple[int, float] | None = None):  # fmt: skip
         self.report, self.hang_in, self.hang_at_step = report, hang_in, hang_at_step
         self.flip = flip  # (after step, bit)
-        self.flip_grad_at = flip_grad_at
+        self.flip_grad_at = flip_grad_at  # (step, every time)
         self.jitter, self.stall = jitter, stall  # (from step, share of a step); (after step, seconds)
         self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
         self.slow_step = slow_step  # (from step, factor)
@@ -347,8 +355,8 @@ class HostFaults(FaultHook):
             threading.Event().wait()  # (the actor answers on; the controller's health loop stops it)
 
     def batch(self, step: int, batch):
-        """At the flip-grad's step, this host's rows of the batch corrupted (once)."""
-        if step != self.flip_grad_at:
+        """At the flip-grad's step, this host's rows of the batch corrupted (once a segment)."""
+        if self.flip_grad_at is None or step != self.flip_grad_at[0]:
             return batch
         import jax
 

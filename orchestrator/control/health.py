@@ -167,6 +167,10 @@ class HangConfig:
     # Step times a group must have before its median says anything: its first steps compile the
     # stop agreement's broadcast and the digest beside training, and may take seconds each.
     warmup_steps: int = 3
+    # Where no host is behind (every one returned from the step's dispatch), the evidence is only
+    # time: a step slowed by a loaded machine looks the same for a while. Wait this many times
+    # as long before the group is restarted.
+    unnamed: float = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +235,10 @@ class HangWatch(ControllerCallback):
         waited = view.clock() - (self._last if self._last is not None else view.clock())
         if self._reported or waited < threshold:
             return
-        self._reported = True
         host = waited_on(group.progress)
+        if host is None and waited < self.config.unnamed * threshold:
+            return  # every host dispatched: a slow step looks the same for a while, so wait longer
+        self._reported = True
         step = max((p["step"] for p in group.progress if p), default=view.step_reached)
         where = self._write_stacks(view, step)
         self._found = Hung(host, None if host is None else group.node_ids[host], step, waited, threshold,
@@ -306,22 +312,21 @@ class Spike:
 class LossWatch(ControllerCallback):
     """Reads the loss of every step (from the host that speaks for the group) and finds a spike:
     a corruption that reached every copy alike (a wrong gradient before its reduction) leaves the
-    copies equal and moves the loss. A step found once is not found again: computed again, a spike
-    that comes back is the data's."""
+    copies equal and moves the loss. Each time a step spikes, computed again or not, it is found
+    (the policy tells a fault that comes back from the data's)."""
 
     def __init__(self, config: SpikeConfig = SpikeConfig()):
         self.config = config
         self._losses: dict[int, float] = {}
         self._found: Spike | None = None
-        self._spiked: set[int] = set()
 
     def on_report(self, view, host: int, report, speaker: bool) -> None:
         if not speaker or not isinstance(report, Step):
             return
         spike = self._judge(report.step, report.loss)
-        self._losses[report.step] = report.loss
-        if spike is not None and spike.step not in self._spiked:
-            self._spiked.add(spike.step)
+        if spike is None:
+            self._losses[report.step] = report.loss  # (a spike's loss is not the next step's reference)
+        else:
             self._found = spike
 
     def _judge(self, step: int, loss: float) -> Spike | None:
@@ -412,6 +417,19 @@ class _Probation:
     ratios: list = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class _Traced:
+    """A loss spike being traced: computed again once on the same hosts, then, where it comes
+    back, without each host in turn; the host without which it does not come back is named."""
+
+    step: int
+    seen: int = 1
+    candidates: list = dataclasses.field(default_factory=list)  # nodes still to leave out
+    trying: str | None = None  # the node left out now
+    segment: int = 0  # the first segment of the try
+    done: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Exclude:
     """What `HealthyScaling` decided of a straggler, for the event that records it."""
@@ -439,6 +457,7 @@ class HealthyScaling(policies.Scaling):
         self.hangs, self.corruption, self.losses = hangs, corruption, losses
         self.probe, self.probing = probe, probing
         self._probation: dict[str, _Probation] = {}
+        self._traced: dict[int, _Traced] = {}
 
     def attach(self, view) -> None:
         self.inner.attach(view)
@@ -455,7 +474,10 @@ class HealthyScaling(policies.Scaling):
             return self._repair(view, corrupt)
         spike = self.losses.found() if self.losses is not None else None
         if spike is not None:
-            return self._recompute(spike)
+            return self._recompute(view, spike)
+        settled = self._settled(view)
+        if settled is not None:
+            return settled
         hung = self.hangs.hung() if self.hangs is not None else None
         if hung is not None:
             return self._evict(hung)
@@ -542,14 +564,54 @@ class HealthyScaling(policies.Scaling):
             p.next_at = now + p.wait_s
         return None
 
-    @staticmethod
-    def _recompute(spike: Spike) -> policies.Evict:
+    def _recompute(self, view, spike: Spike):
         """A loss spike: the step is computed again from the state before it (a peer snapshot, else
-        the newest commit), on the same hosts; training goes on from the step computed again."""
-        why = (f"the loss at step {spike.step} is {spike.loss:.4g}, up from {spike.before:.4g} (more than "
-               f"{spike.allowed:.0%} a step): computed again from the state before it")  # fmt: skip
-        fields = {"host": None, "evidence": spike.evidence(), "action": "recomputed"}
-        return policies.Evict((), why, EventKind.CORRUPTION, fields, restore_at_most=spike.step - 1)
+        the newest commit at or before it). The first time on the same hosts; where it comes back,
+        without each host in turn, so that the host it follows is named; where it comes back
+        without every one of them, it is the data's and training goes on."""
+        traced = self._traced.get(spike.step)
+        evidence = spike.evidence()
+        if traced is None:
+            self._traced[spike.step] = _Traced(spike.step)
+            why = (f"the loss at step {spike.step} is {spike.loss:.4g}, up from {spike.before:.4g} (more than "
+                   f"{spike.allowed:.0%} a step): computed again from the state before it")  # fmt: skip
+            return policies.Evict((), why, EventKind.CORRUPTION, {"host": None, "evidence": evidence,
+                                                                   "action": "recomputed"}, spike.step - 1)  # fmt: skip
+        if traced.done:
+            return policies.Continue()
+        traced.seen += 1
+        if traced.trying is not None:
+            self.quarantine.release(traced.trying)  # (the spike came back without it: not this one)
+        elif view.group is not None and view.group.size - 1 >= self.min_hosts:
+            traced.candidates = list(view.group.node_ids)
+        if not traced.candidates:
+            traced.done = True
+            why = (f"the loss at step {spike.step} is high each time it is computed ({traced.seen} times), whichever "
+                   "host is left out: the data's, and training goes on")  # fmt: skip
+            return policies.Warn(EventKind.CORRUPTION, why, {"host": None, "evidence": evidence, "action": "accepted"})
+        traced.trying, traced.segment = traced.candidates.pop(0), len(view.segments)
+        self.quarantine.exclude(traced.trying, f"left out while the loss spike at step {spike.step} is traced")
+        why = (f"the loss at step {spike.step} spiked again when computed again ({traced.seen} times): computed "
+               f"again without node {traced.trying[:8]}")  # fmt: skip
+        fields = {"host": None, "node": traced.trying, "evidence": evidence, "action": "recomputed without a host"}
+        return policies.Evict((), why, EventKind.CORRUPTION, fields, spike.step - 1)
+
+    def _settled(self, view) -> policies.Warn | None:
+        """A traced spike whose step was computed without it, once a node was left out: that node
+        is named, and stays out."""
+        segment = view.segment
+        for traced in self._traced.values():
+            if traced.trying is None or traced.done or segment is None or segment.index < traced.segment:
+                continue
+            if segment.last_step is None or segment.last_step <= traced.step:
+                continue
+            traced.done, node = True, traced.trying
+            self.quarantine.exclude(node, f"the loss spike at step {traced.step} follows it")
+            why = (f"the loss at step {traced.step} spiked each time node {node[:8]} computed it ({traced.seen} "
+                   "times) and not without it: set aside")  # fmt: skip
+            return policies.Warn(EventKind.CORRUPTION, why, {"host": None, "node": node, "action": "excluded",
+                                                              "evidence": {"step": traced.step, "spikes": traced.seen}})  # fmt: skip
+        return None
 
     def _decide(self, view, state, found: Straggler) -> Exclude:
         staying = found.step_seconds

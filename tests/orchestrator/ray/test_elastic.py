@@ -76,6 +76,11 @@ def spiked(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bad_host(tmp_path_factory):
+    return run_job(tmp_path_factory, "bad-host", 40, "flip-grad@25:3x0")
+
+
+@pytest.fixture(scope="module")
 def coordinator_lost(tmp_path_factory):
     return run_job(tmp_path_factory, "coordinator", 60, "lose@30:0")
 
@@ -219,6 +224,19 @@ def test_a_corrupted_local_gradient_is_caught_at_its_step_and_the_step_computed_
     assert [s["hosts"] for s in spiked["segments"]] == [4, 4]  # on the same hosts
     assert_same_losses(spiked, static)  # the spike computed again: every step's loss the clean run's
     assert_restores_are_bitwise(spiked)
+
+
+@pytest.mark.slow
+def test_a_spike_that_follows_a_host_names_it_and_the_job_goes_on_without_it(bad_host, static):
+    assert bad_host["state"] == "finished" and bad_host["steps_completed"] == 40
+    sdc = kinds(bad_host, "corruption")
+    actions = [e["action"] for e in sdc]
+    # Computed again on the same hosts, then without each host in turn until the spike is gone.
+    assert actions == ["recomputed", *["recomputed without a host"] * (len(sdc) - 2), "excluded"], actions
+    left_out = [e["node"] for e in sdc if e["action"] == "recomputed without a host"]
+    assert sdc[-1]["node"] == left_out[-1] and len(set(left_out)) == len(left_out)
+    assert bad_host["segments"][-1]["hosts"] == 3
+    assert_same_losses(bad_host, static)
 
 
 # The coordinator's loss and a loss in a save are runs of their own, and the fault storm has

@@ -14,6 +14,7 @@ from orchestrator.control.health import (
     HealthyScaling,
     LossWatch,
     Quarantine,
+    Spike,
     StragglerConfig,
     StragglerWatch,
     waited_on,
@@ -218,7 +219,7 @@ def _loss(watch: LossWatch, step: int, loss: float, speaker: bool = True) -> Non
     watch.on_report(None, 0, Step(seconds=0.3, at=float(step), step=step, loss=loss), speaker)
 
 
-def test_a_loss_spike_is_found_once_and_computed_again_from_the_step_before():
+def test_a_loss_spike_is_found_each_time_and_computed_again_from_the_step_before():
     rng = random.Random(3)
     watch = LossWatch()
     for step in range(1, 25):  # falling fast at first (no spike before the warm-up ends), then slowly
@@ -229,12 +230,50 @@ def test_a_loss_spike_is_found_once_and_computed_again_from_the_step_before():
     _loss(watch, 25, 3.3)
     spike = watch.found()
     assert spike is not None and spike.step == 25 and spike.before == pytest.approx(2.36)
-    decision = HealthyScaling._recompute(spike)
-    assert decision.hosts == () and decision.restore_at_most == 24 and decision.fields["action"] == "recomputed"
     _loss(watch, 25, 3.3)
-    assert watch.found() is None  # computed again and high again: the data's, not a fault's
+    assert watch.found().step == 25  # computed again and high again: found again (the policy decides)
+    _loss(watch, 25, 2.35)
     _loss(watch, 26, float("nan"))
     assert watch.found().step == 26  # not finite: a spike whatever the trend
+
+
+def _spike(step=25):
+    return Spike(step, 3.3, 2.36, 0.1)
+
+
+def test_a_spike_that_comes_back_is_traced_to_the_host_it_follows():
+    quarantine = Quarantine(_Cluster())
+    scaling = HealthyScaling(policies.ScalingPolicy(2, 4), StragglerWatch(), quarantine, lambda d: 1.0 / d, 2)
+    segments = [Segment(0, {}, 4, 8, "", 0.0, 0.0, first_step=1, last_step=26)]
+    view = types.SimpleNamespace(**vars(_view()), segments=segments)
+    first = scaling._recompute(view, _spike())
+    assert isinstance(first, policies.Evict) and first.hosts == () and first.restore_at_most == 24
+    assert first.fields["action"] == "recomputed" and quarantine.alive_hosts() == list(NODES)
+    again = scaling._recompute(view, _spike())  # back on the same hosts: left out in turn
+    assert again.fields["action"] == "recomputed without a host" and again.fields["node"] == "n0"
+    assert quarantine.alive_hosts() == ["n1", "n2", "n3"] and again.restore_at_most == 24
+    segments.append(Segment(1, {}, 3, 6, "", 0.0, 0.0, first_step=25, last_step=25))
+    third = scaling._recompute(view, _spike())  # back without n0: not n0
+    assert third.fields["node"] == "n1" and quarantine.alive_hosts() == ["n0", "n2", "n3"]
+    segments.append(Segment(2, {}, 3, 6, "", 0.0, 0.0, first_step=25, last_step=25))
+    view.segment = segments[-1]
+    assert scaling._settled(view) is None  # step 25 not yet past
+    segments[-1].last_step = 27
+    named = scaling._settled(view)
+    assert isinstance(named, policies.Warn) and named.fields == {
+        "host": None, "node": "n1", "action": "excluded", "evidence": {"step": 25, "spikes": 3}}  # fmt: skip
+    assert quarantine.alive_hosts() == ["n0", "n2", "n3"]  # n1 stays out
+
+
+def test_a_spike_that_comes_back_without_every_host_is_the_datas():
+    quarantine = Quarantine(_Cluster())
+    scaling = HealthyScaling(policies.ScalingPolicy(2, 4), StragglerWatch(), quarantine, lambda d: 1.0 / d, 2)
+    view = types.SimpleNamespace(**vars(_view()), segments=[])
+    decisions = [scaling._recompute(view, _spike()) for _ in range(6)]
+    assert [d.fields.get("node") for d in decisions[1:5]] == ["n0", "n1", "n2", "n3"]
+    assert isinstance(decisions[5], policies.Warn) and decisions[5].fields["action"] == "accepted"
+    assert quarantine.alive_hosts() == list(NODES)
+    assert isinstance(scaling._recompute(view, _spike()), policies.Continue)  # accepted: not traced again
 
 
 class _Probe:
@@ -278,3 +317,19 @@ def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_health
     assert "n2" in quarantine.alive_hosts()
     grow = scaling.while_running(view, running, quarantine.alive_hosts)
     assert isinstance(grow, policies.Resize) and grow.hosts == 4 and grow.event == EventKind.HOST_ADDED
+
+
+def test_a_hang_that_names_nobody_waits_three_times_as_long(tmp_path):
+    clock = _Clock()
+    marks = [{"step": 31, "where": "dispatched", "at": 0.0}] * 3  # every host waits: the devices, or a slow step
+    watch = HangWatch(str(tmp_path))
+    view = _hang_view(clock, (0.4,) * 5, marks)
+    watch.on_poll(view)
+    watch.on_report(view, 0, None, True)
+    clock.t = 14.0
+    watch.on_poll(view)
+    assert watch.hung() is None  # past 5 s, not yet 15 s
+    clock.t = 15.5
+    watch.on_poll(view)
+    found = watch.hung()
+    assert found is not None and found.host is None and found.threshold == 5.0

@@ -85,7 +85,8 @@ def test_hang_and_flip_parse():
     assert flip == Fault("flip", 25, (3,), 30.0) and low.factor == 0.0 and str(low) == "flip@26:3x0"
     assert parse_chaos(str(low)) == (low,)
     assert ChaosInjector((flip, low)).pending("flip") == [flip, low] and ChaosInjector((flip,)).due(100) == []
-    for bad in ("flip@25:3x32", "flip@25:3x1.5", "hang@30:1x2"):
+    assert parse_chaos("flip-grad@25:3x0")[0].factor == 0 and parse_chaos("flip-grad@25:3")[0].factor == 1
+    for bad in ("flip@25:3x32", "flip@25:3x1.5", "hang@30:1x2", "flip-grad@25:3x2"):
         with pytest.raises(ChaosSpecError):
             parse_chaos(bad)
 
