@@ -179,6 +179,9 @@ def run_storm(seed: int, faults: int, workdir: str | None = None, log=print) -> 
 def _job(d: str, name: str, steps: int) -> str:
     with open(os.path.join(ROOT, "examples/gpt/job.toml")) as f:
         text = f.read().replace("steps = 120", f"steps = {steps}").replace('name = "gpt-demo"', f'name = "{name}"')
+    # The state's copies compared every 2 steps: a flipped copy is found before the storm's next
+    # fault (6 to 10 steps on) restarts the group and throws the copy away unseen.
+    text += "\n[health]\ndigest_every = 2\n"
     path = os.path.join(d, f"{name}.toml")
     with open(path, "w") as f:
         f.write(text)

@@ -236,14 +236,24 @@ class ChaosCallback(ControllerCallback):
 
     def _on_nodes(self, view, kind: str, value) -> dict:
         """{its node's index in the group starting now: `value(fault)`} for the pending faults of
-        `kind`, which follow their node: host H of the first group, in every group it is in."""
+        `kind`, which follow their node: host H of the group that reaches the fault's step (until
+        then, host H of each group), in every group it is in after."""
         nodes = list(view.group.node_ids)
         out = {}
         for fault in self.injector.pending(kind):
-            node = self._nodes.setdefault(fault, nodes[fault.host_in(len(nodes))])
-            if node in nodes:
+            node = self._nodes.get(fault)
+            if node is None:
+                out[fault.host_in(len(nodes))] = value(fault)
+            elif node in nodes:
                 out[nodes.index(node)] = value(fault)
         return out
+
+    def _bind_nodes(self, view) -> None:
+        """Faults that follow their node take host H's of the group that reaches their step."""
+        group = view.group
+        for fault in (*self.injector.pending("slow-step"), *self.injector.pending("flip-grad")):
+            if fault not in self._nodes and fault.step <= view.step_reached + 1 and group is not None:
+                self._nodes[fault] = group.node_ids[fault.host_in(group.size)]
 
     def on_state(self, view, previous, state) -> None:
         if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING and state.recovery is not None:
@@ -268,6 +278,7 @@ class ChaosCallback(ControllerCallback):
 
     def on_poll(self, view) -> None:
         group = view.group
+        self._bind_nodes(view)
         for fault in self.injector.due(view.step_reached):
             if fault.kind == "lose":
                 for host in fault.hosts_in(group.size):
