@@ -348,6 +348,7 @@ def check(
     store: str, ckpt: str, reference: dict, outputs: list[str], legs: list[Leg], corrupted, killed_commits, steps
 ) -> dict:
     """The storm's invariants, from what the runs recorded."""
+    from orchestrator.chaos import parse_chaos
     from orchestrator.dashboard.store import FleetStore
 
     db = FleetStore(store)
@@ -365,7 +366,7 @@ def check(
         e for e in restores if e["step"] < e["detail"].get("committed", 0) and e["detail"]["committed"] not in corrupted
     ]
     text = "".join(outputs)
-    planned = [f for leg in legs for f in leg.chaos]
+    planned = [str(parse_chaos(f)[0]) for leg in legs for f in leg.chaos]  # (as the chaos lines spell them)
     # A fault planned twice (two hosts added at one step) must have fired twice.
     fired = [f for f in planned if text.count(f"chaos {f}:") >= planned.count(f)]
     recoveries = [float(x) for x in re.findall(r"recovered in ([\d.]+) s", text)]

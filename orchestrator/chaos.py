@@ -263,7 +263,8 @@ class ChaosCallback(ControllerCallback):
 
     def on_event(self, view, event) -> None:
         found = {EventKind.HANG: ("hang",), EventKind.CORRUPTION: ("flip", "flip-grad")}.get(event.kind, ())
-        for fault in [f for kind in found for f in self.injector.pending(kind)]:  # found: not in the next group
+        due = [f for kind in found for f in self.injector.pending(kind) if f.step <= (event.step or 0) + 1]
+        for fault in due:  # found: not in the next group
             self.print(f"chaos {fault}: found ({event.kind}, {event.fields.get('action')})")
             if not (fault.kind == "flip-grad" and fault.factor == 0):  # (a bad host's fault comes back)
                 self.injector.fired(fault)

@@ -15,11 +15,11 @@ state that is known good, and a spike's step is computed again. A host set aside
 How a straggler is told. In SPMD every host's step takes the same time, so step time names
 nobody; the time each host spends blocked on the devices and its peers does: the others wait for
 the straggler in every step's collectives, and it waits least (`Step.wait_seconds`). A host leads
-a step when the others' median wait exceeds its own by `lead` of the step's time; it is named when
-it leads `persist` of the last `window` steps. A single stall (a save, a collection, one slow
-batch) leads one step, not four of five; jitter leads none by that margin. Slow steps led by
-different hosts are slowness that follows the data (an imbalanced batch), not a host: nobody is
-named.
+a step by the others' median wait beyond its own, as a share of the step's time; it is named when
+its mean lead over the last `window` steps, its largest left out, is at least `lead`. A single
+stall (a save, a collection, one slow batch) is one step, left out; jitter averages out. Slow
+steps led by different hosts are slowness that follows the data (an imbalanced batch), not a
+host: nobody is named.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ class StragglerConfig:
     """`mode`: "act" (exclude the host where predicted faster), "warn" (say so only), "off"."""
 
     mode: str = "act"
-    window: int = 5  # the steps a host is judged over
-    persist: int = 4  # of them, how many it must lead
-    lead: float = 0.25  # the others' median wait beyond its own, as a share of the step's time
+    window: int = 6  # the steps a host is judged over
+    lead: float = 0.25  # its score at least: the others' wait beyond its own, a share of the step's time
     gain: float = 0.95  # act where the hosts left are predicted at most this share of staying's step time
 
 
@@ -82,9 +81,12 @@ class Straggler:
 class _Judged:
     step: int
     seconds: float
-    leader: int | None  # the host that led the step, if any did by `lead`
-    share: float
+    shares: dict[int, float]  # each host's lead: the others' median wait beyond its own, over the step's time
     waits: dict[int, float]
+
+    @property
+    def leader(self) -> int:
+        return max(self.shares, key=self.shares.get)
 
 
 class StragglerWatch(ControllerCallback):
@@ -124,31 +126,37 @@ class StragglerWatch(ControllerCallback):
             return  # with two hosts, which of them waits less says nothing of which is slow
         seconds = statistics.median(r.seconds for r in reports.values())
         waits = {h: r.wait_seconds for h, r in reports.items()}
-        leads = {h: statistics.median(w for o, w in waits.items() if o != h) - waits[h] for h in waits}
-        leader = max(leads, key=leads.get)
-        share = leads[leader] / max(seconds, 1e-9)
-        step = next(iter(reports.values())).step
-        led = share >= self.config.lead
-        self._judged.append(_Judged(step, seconds, leader if led else None, share, waits))
-        if not led:
+        shares = {h: max(statistics.median(w for o, w in waits.items() if o != h) - waits[h], 0.0) / max(seconds, 1e-9)
+                  for h in waits}  # fmt: skip
+        judged = _Judged(next(iter(reports.values())).step, seconds, shares, waits)
+        self._judged.append(judged)
+        if max(shares.values()) < self.config.lead:
             self._healthy.append(seconds)
         self._name(nodes)
 
+    def _score(self, host: int) -> float:
+        """A host's lead over the window, its largest step left out: one stall (a collection, a
+        save, a slow batch) is one step, and the others may run a step ahead of the slowest and
+        wait for it only every other step (the stop agreement's broadcast is not every step)."""
+        shares = sorted(j.shares.get(host, 0.0) for j in self._judged)
+        return sum(shares[:-1]) / (len(shares) - 1)
+
     def _name(self, nodes: Sequence[str]) -> None:
-        led = [j for j in self._judged if j.leader is not None]
-        if len(led) < self.config.persist:
+        if len(self._judged) < 4:
             return
-        counts = collections.Counter(j.leader for j in led)
-        host, times = counts.most_common(1)[0]
-        if times < self.config.persist:
-            self.imbalanced = tuple(j.step for j in led)  # slow steps, but not one host's: the data's
+        scores = {h: self._score(h) for h in self._judged[-1].shares}
+        host = max(scores, key=scores.get)
+        led = [j for j in self._judged if j.shares[j.leader] >= self.config.lead]
+        if scores[host] < self.config.lead:
+            if len(led) >= 3 and len({j.leader for j in led}) > 1:
+                self.imbalanced = tuple(j.step for j in led)  # slow steps, but not one host's: the data's
             return
-        mine = [j for j in led if j.leader == host]
+        mine = [j for j in led if j.leader == host] or list(self._judged)
         self._named = Straggler(
             host,
             nodes[host],
             tuple(j.step for j in mine),
-            statistics.median(j.share for j in mine),
+            statistics.median(j.shares[host] for j in mine),
             statistics.median(j.seconds for j in self._judged),
             statistics.median(statistics.median(w for o, w in j.waits.items() if o != host) for j in mine),
             statistics.median(j.waits[host] for j in mine),

@@ -333,3 +333,20 @@ def test_a_hang_that_names_nobody_waits_three_times_as_long(tmp_path):
     watch.on_poll(view)
     found = watch.hung()
     assert found is not None and found.host is None and found.threshold == 5.0
+
+
+def test_a_straggler_the_others_wait_for_every_other_step_is_named_within_six_steps():
+    """Where the stop agreement is not every step, the others run a step ahead of the slow host
+    and wait for it two steps' worth at once, every other step (seen in the fault storm)."""
+    watch, view = StragglerWatch(), _view()
+    for step in range(2, 20):
+        _feed(watch, view, step, {h: 0.4 for h in range(4)})
+    for step in range(20, 27):
+        for host in range(4):
+            wait = (0.3 if host == 2 else 2.0) if step % 2 else 0.35
+            watch.on_report(view, host, Step(seconds=2.0 if step % 2 else 0.4, at=float(step), step=step, loss=1.0,
+                                             wait_seconds=wait), host == 0)  # fmt: skip
+        found = watch.named()
+        if found:
+            break
+    assert found is not None and found.host == 2 and step - 20 < 6, (step, found)
