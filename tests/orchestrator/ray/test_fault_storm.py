@@ -45,10 +45,6 @@ def test_the_plan_has_every_kind_of_fault_and_replays_from_its_seed():
         "lose-in-restore@",
         "freeze@",
         "add-in-recovery@",
-        "slow-step@",
-        "hang@",
-        "flip@",
-        "flip-grad@",
     ):
         assert kind in chaos, kind
     assert any(f.startswith("lose@") and ":0+" in f for leg in legs for f in leg.chaos)  # host 0 among two at once
@@ -62,8 +58,6 @@ def test_every_fault_fires_and_the_job_finishes(storm):
     assert storm["controller_kills"] == 2
     assert storm["finished"], storm
     assert storm["recoveries"] >= 20, storm["recovery_seconds"]
-    # The health loop's faults were each found as what they are (and fired: "found" is their line).
-    assert storm["stragglers_named"] >= 1 and storm["hangs_found"] >= 1 and storm["corruptions_found"] >= 2, storm
 
 
 def test_losses_match_the_fault_free_run_at_every_step(storm):
