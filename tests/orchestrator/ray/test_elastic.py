@@ -57,7 +57,7 @@ def elastic(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory):
-    return run_job(tmp_path_factory, "straggler", 80, "slow-step@20:2x3,heal@30")
+    return run_job(tmp_path_factory, "straggler", 40, "slow-step@20:2x3")
 
 
 @pytest.fixture(scope="module")
@@ -148,25 +148,19 @@ def test_host_loss_recovers_with_parts_recorded(elastic):
     assert grown_from % 10 == 0 and 60 <= grown_from < 100
 
 
-def test_a_slow_host_is_named_set_aside_probed_and_taken_back_with_the_static_losses(straggler, static):
-    assert straggler["state"] == "finished" and straggler["steps_completed"] == 80
-    slow, back = kinds(straggler, "straggler")
+def test_a_slow_host_is_named_and_the_job_goes_on_without_it_with_the_static_losses(straggler, static):
+    assert straggler["state"] == "finished" and straggler["steps_completed"] == 40
+    (slow,) = kinds(straggler, "straggler")
     assert slow["host"] == 2 and slow["action"] == "excluded" and slow["hosts"] == 3, slow
     evidence = slow["evidence"]
     assert 20 < evidence["steps"][0] and evidence["steps"][-1] <= 25, evidence  # named within 5 steps of 20
     assert evidence["own_wait_seconds"] < evidence["others_wait_seconds"]  # the straggler waits least
     assert slow["without_seconds"] < slow["staying_seconds"]
-    # Probed 10 s after, then at twice the wait while slow; healthy after heal@30, taken back, and
-    # the job grows onto it at the next checkpoint as onto any host added.
-    assert back["action"] == "taken back" and back["node"] == slow["node"], back
-    assert back["evidence"]["probe_ratios"][-1] <= 1.25 and back["step"] > 30
-    assert all(r > 1.25 for r in back["evidence"]["probe_ratios"][:-1])  # (any probe before heal@30 failed)
-    assert len(kinds(straggler, "host_added")) == 1
-    assert [s["hosts"] for s in straggler["segments"]] == [4, 3, 4]
+    assert [s["hosts"] for s in straggler["segments"]] == [4, 3]
     assert straggler["segments"][1]["first_step"] == straggler["segments"][0]["last_step"] + 1
     assert_same_losses(straggler, static)
     assert_restores_are_bitwise(straggler)
-    restore = kinds(straggler, "restore")[0]
+    (restore,) = kinds(straggler, "restore")[-1:]
     assert restore["recomputed"] == 0 and restore["step"] >= restore["committed"]  # nothing lost
     assert "slow  after step" in straggler["_stdout"] and "resizing to 3 hosts now" in straggler["_stdout"]
 
