@@ -15,18 +15,14 @@ import time
 from collections.abc import Callable
 
 from .control.controller import ControllerConfig, JobController
+from .control.corruption import CorruptionWatch, LossWatch
 from .control.fleet_following import FleetFollowing
-from .control.health import (
-    CorruptionWatch,
-    HangWatch,
-    HealthyScaling,
-    LossWatch,
-    Quarantine,
-    StragglerConfig,
-    StragglerWatch,
-)
+from .control.hangs import HangWatch
+from .control.health import HealthyScaling
 from .control.planning import PlanCache, program_fingerprint
 from .control.policies import ScalingPolicy
+from .control.quarantine import Quarantine
+from .control.stragglers import StragglerConfig, StragglerWatch
 from .dashboard.store import FleetStoreConfig
 from .fleet.cluster import FleetCluster
 from .hosts.interface import Cluster, EmulatedHosts

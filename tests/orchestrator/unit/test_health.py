@@ -8,18 +8,12 @@ import types
 import pytest
 
 from orchestrator.control import policies
-from orchestrator.control.health import (
-    CorruptionWatch,
-    HangWatch,
-    HealthyScaling,
-    LossWatch,
-    Quarantine,
-    Spike,
-    StragglerConfig,
-    StragglerWatch,
-    waited_on,
-)
+from orchestrator.control.corruption import CorruptionWatch, LossWatch, Spike
+from orchestrator.control.hangs import HangWatch, waited_on
+from orchestrator.control.health import HealthyScaling
+from orchestrator.control.quarantine import Quarantine
 from orchestrator.control.state import Running, Segment
+from orchestrator.control.stragglers import StragglerConfig, StragglerWatch
 from orchestrator.protocol import EventKind, ReplicasDiffer, Step
 
 NODES = ("n0", "n1", "n2", "n3")
