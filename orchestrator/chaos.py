@@ -420,31 +420,33 @@ def _copies(leaf) -> int:
     return min(blocks.values())
 
 
-def _flipped(leaf, bit: int):
-    """`leaf` with bit `bit` of element 0 of this process's first copy flipped (32-bit words; the
-    lower 16 bits of a 16-bit type)."""
+def _changed(leaf, change):
+    """`leaf` with this process's copies of its blocks replaced by `change(n, numpy copy)` (n: the
+    copy's place among this process's): the other processes' copies stay as they are."""
     import jax
     import numpy as np
 
-    shards = []
-    for n, s in enumerate(leaf.addressable_shards):
-        data = np.array(s.data)
+    shards = [jax.device_put(change(n, np.array(s.data)), s.device) for n, s in enumerate(leaf.addressable_shards)]
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+
+
+def _flipped(leaf, bit: int):
+    """`leaf` with bit `bit` of element 0 of this process's first copy flipped (32-bit words; the
+    lower 16 bits of a 16-bit type)."""
+    import numpy as np
+
+    def flip(n, data):
         if n == 0:
             words = data.reshape(-1).view({2: np.uint16, 4: np.uint32, 8: np.uint32}[data.dtype.itemsize])
             words[0] ^= words.dtype.type(1 << (bit % (8 * words.dtype.itemsize)))
-        shards.append(jax.device_put(data, s.device))
-    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+        return data
+
+    return _changed(leaf, flip)
 
 
 def _garbled(leaf):
     """`leaf` with this process's rows corrupted: integers XOR 1 (tokens become their neighbours),
     floats times 1000."""
-    import jax
     import numpy as np
 
-    shards = []
-    for s in leaf.addressable_shards:
-        data = np.array(s.data)
-        data = data ^ 1 if np.issubdtype(data.dtype, np.integer) else (data * 1000).astype(data.dtype)
-        shards.append(jax.device_put(data, s.device))
-    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+    return _changed(leaf, lambda n, d: d ^ 1 if np.issubdtype(d.dtype, np.integer) else (d * 1000).astype(d.dtype))

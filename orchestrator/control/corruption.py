@@ -69,6 +69,8 @@ class LossWatch(ControllerCallback):
         spike = self._judge(report.step, report.loss)
         if spike is None:
             self._losses[report.step] = report.loss  # (a spike's loss is not the next step's reference)
+            for old in [s for s in self._losses if s < report.step - 4 * self.config.window]:
+                del self._losses[old]  # (a long job's history stays a few windows: no memory per step)
         else:
             self._found = spike
 

@@ -344,3 +344,10 @@ def test_a_straggler_the_others_wait_for_every_other_step_is_named_within_six_st
         if found:
             break
     assert found is not None and found.host == 2 and step - 20 < 6, (step, found)
+
+
+def test_the_loss_history_stays_a_few_windows_long():
+    watch = LossWatch()
+    for step in range(1, 2001):
+        _loss(watch, step, 2.0)
+    assert len(watch._losses) <= 4 * watch.config.window + 1  # (no memory per step on a long job)
