@@ -12,9 +12,10 @@ def gpt_job(
     min_hosts: int = 2,
     priority: int = 0,
     pipeline: str | int = "auto",
+    keep: int = 3,
 ) -> str:
     """A job file's text: batch 24 (divides every mesh the hosts give), a checkpoint every 10 steps;
-    `options`: the lines of an `[options]` table."""
+    `options`: the lines of an `[options]` table; `keep`: how many commits are kept."""
     pipeline = f'"{pipeline}"' if isinstance(pipeline, str) else pipeline
     return f"""
 name = "{name}"
@@ -30,7 +31,7 @@ devices_per_host = 2
 [checkpoint]
 dir = "{checkpoint_dir}"
 every = 10
-keep = 3
+keep = {keep}
 [options]
 {options}
 """
