@@ -67,6 +67,12 @@ def straggler(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    # Probes come 10, 30, 70 s after the exclusion; the steps after heal@60 outlast the second.
+    return run_job(tmp_path_factory, "probed", 400, "slow-step@20:2x3,heal@60")
+
+
+@pytest.fixture(scope="module")
 def hung(tmp_path_factory):
     return run_job(tmp_path_factory, "hung", 40, "hang@30:1")
 
@@ -177,6 +183,22 @@ def test_a_slow_host_is_named_and_the_job_goes_on_without_it_with_the_static_los
     (restore,) = kinds(straggler, "restore")[-1:]
     assert restore["recomputed"] == 0 and restore["step"] >= restore["committed"]  # nothing lost
     assert "slow  after step" in straggler["_stdout"] and "resizing to 3 hosts now" in straggler["_stdout"]
+
+
+@pytest.mark.slow
+def test_a_slow_host_set_aside_is_probed_until_it_heals_and_then_taken_back(probed, static):
+    assert probed["state"] == "finished" and probed["steps_completed"] == 400
+    excluded, back = kinds(probed, "straggler")
+    assert excluded["host"] == 2 and excluded["action"] == "excluded", excluded
+    assert back["action"] == "taken back" and back["node"] == excluded["node"], back
+    *slow, healthy = back["evidence"]["probe_ratios"]
+    # Probed 10 s after, then at doubling waits: 3x slow until heal@60 (here the first probe
+    # comes before it; a machine far faster would heal first), then within 1.25x.
+    assert all(r > 2 for r in slow) and healthy <= 1.25, back["evidence"]
+    assert [s["hosts"] for s in probed["segments"]] == [4, 3, 4]
+    assert probed["segments"][2]["first_step"] == probed["segments"][1]["last_step"] + 1
+    np.testing.assert_allclose(probed["losses"][:100], static["losses"], rtol=1e-4)
+    assert_restores_are_bitwise(probed)
 
 
 @pytest.mark.slow
