@@ -26,6 +26,13 @@ class FleetFollowing:
 
     def __init__(self, min_hosts: int, fleet, reserve_wait_s: float = 30.0):
         self.min_hosts, self.fleet, self.reserve_wait_s = min_hosts, fleet, reserve_wait_s
+        self._suspect: dict[str, dict] = {}  # node -> why and how to probe it, until given back
+
+    def set_aside(self, node: str, why: str, probe: dict) -> bool:
+        """A host the health loop set aside goes back to the fleet marked suspect: no job gets it
+        until it passes the fleet's probe."""
+        self._suspect[node] = {"why": why, **probe}
+        return True
 
     def attach(self, view) -> None:
         self.fleet.attach(lambda: self.progress(view))
@@ -55,7 +62,7 @@ class FleetFollowing:
         alive = view.cluster.alive_hosts()
         stranded = sorted(set(view.cluster.live_hosts()) - set(alive))
         if stranded:
-            grant = self.fleet.release(stranded)
+            grant = self.fleet.release(stranded, {n: self._suspect.pop(n) for n in stranded if n in self._suspect})
         if len(alive) > grant.target:
             grant = self.fleet.release(alive[grant.target :])
             alive = alive[: grant.target]

@@ -19,23 +19,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ..hosts.probe import ProbeConfig
 from ..protocol import EventKind, ReplicasDiffer
 from . import policies
 from .corruption import CorruptionWatch, LossWatch, Spike, corrupted_hosts
 from .hangs import HangWatch, Hung
 from .quarantine import Quarantine
 from .stragglers import Straggler, StragglerWatch
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeConfig:
-    """A straggler set aside is probed `first_after_s` after, then at twice the wait each time it is
-    still slow (at most `max_wait_s`); it is taken back when its probe takes at most `healthy`
-    times a peer's."""
-
-    first_after_s: float = 10.0
-    max_wait_s: float = 600.0
-    healthy: float = 1.25
 
 
 @dataclasses.dataclass
@@ -80,13 +70,13 @@ class HealthyScaling(policies.Scaling):
     def __init__(self, inner: policies.Scaling, watch: StragglerWatch, quarantine: Quarantine,
                  predict: Callable[[int], float], min_hosts: int, hangs: HangWatch | None = None,
                  corruption: CorruptionWatch | None = None, losses: LossWatch | None = None, probe=None,
-                 probing: ProbeConfig = ProbeConfig()):  # fmt: skip
+                 probing: ProbeConfig | None = None):  # fmt: skip
         """`probe`: a `hosts.probe.HostProbe` (None: a straggler set aside stays aside)."""
         self.inner, self.watch, self.quarantine, self.predict, self.min_hosts = (
             inner, watch, quarantine, predict, min_hosts,
         )  # fmt: skip
         self.hangs, self.corruption, self.losses = hangs, corruption, losses
-        self.probe, self.probing = probe, probing
+        self.probe, self.probing = probe, probing or ProbeConfig()
         self._probation: dict[str, _Probation] = {}
         self._traced: dict[int, _Traced] = {}
 
@@ -125,12 +115,19 @@ class HealthyScaling(policies.Scaling):
             fields["without_seconds"] = round(decided.without, 4)
         if decided.action == "warned":
             return policies.Warn(EventKind.STRAGGLER, self._why(found, decided), fields)
-        self.quarantine.exclude(found.node, f"straggler at step {found.steps[-1]}")
-        if self.probe is not None:
+        handed = self._set_aside(found.node, f"straggler at step {found.steps[-1]}")
+        if self.probe is not None and not handed:  # (a fleet that took it probes it)
             wait = self.probing.first_after_s
             self._probation[found.node] = _Probation(found.node, view.clock() + wait, wait)
         return policies.Resize(state.target - 1, self._why(found, decided), EventKind.STRAGGLER, at_once=True,
                                fields=fields)  # fmt: skip
+
+    def _set_aside(self, node: str, why: str) -> bool:
+        """`node` out of the job's groups; True where the job's scaling policy handed it on (a
+        shared cluster's fleet marks it suspect and probes it itself)."""
+        self.quarantine.exclude(node, why)
+        probe = self.probe.spec(node) if self.probe is not None else {"env": {}, "hook": None}
+        return self.inner.set_aside(node, why, probe)
 
     def _evict(self, hung: Hung) -> policies.Evict:
         """A hung group cannot stop itself: its processes go, and the job recovers on the hosts
@@ -140,7 +137,7 @@ class HealthyScaling(policies.Scaling):
                    "every host returned from its dispatch: the group restarts on the same hosts")  # fmt: skip
             return policies.Evict((), why, EventKind.HANG, {"host": None, "evidence": hung.evidence(),
                                                              "action": "restarted"})  # fmt: skip
-        self.quarantine.exclude(hung.node, f"hung at step {hung.step}")
+        self._set_aside(hung.node, f"hung at step {hung.step}")
         why = (f"step {hung.step} has not finished in {hung.waited:.1f} s (more than {hung.threshold:.1f} s); the "
                f"others wait on host {hung.host}: the job goes on without it")  # fmt: skip
         fields = {"host": hung.host, "node": hung.node, "evidence": hung.evidence(), "action": "excluded"}
@@ -154,7 +151,7 @@ class HealthyScaling(policies.Scaling):
         hosts = corrupted_hosts(found)
         nodes = [view.group.node_ids[h] for h in hosts] if view.group is not None else []
         for node in nodes:
-            self.quarantine.exclude(node, f"its copy of the state differed after step {found.step}")
+            self._set_aside(node, f"its copy of the state differed after step {found.step}")
         leaves = sorted({d["leaf"] for d in found.disagreements})
         named = f"host(s) {list(hosts)}' copies" if hosts else "two copies (no majority to name one)"
         why = (f"after step {found.step} {named} of {', '.join(leaves[:3])}{' ...' if len(leaves) > 3 else ''} "
@@ -237,7 +234,7 @@ class HealthyScaling(policies.Scaling):
             if segment.last_step is None or segment.last_step <= traced.step:
                 continue
             traced.done, node = True, traced.trying
-            self.quarantine.exclude(node, f"the loss spike at step {traced.step} follows it")
+            self._set_aside(node, f"the loss spike at step {traced.step} follows it")
             why = (f"the loss at step {traced.step} spiked each time node {node[:8]} computed it ({traced.seen} "
                    "times) and not without it: set aside")  # fmt: skip
             return policies.Warn(EventKind.CORRUPTION, why, {"host": None, "node": node, "action": "excluded",

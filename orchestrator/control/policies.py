@@ -102,6 +102,12 @@ class Scaling(Protocol):
         """Why the job runs on fewer hosts than it could, where the policy knows; else ""."""
         return ""
 
+    def set_aside(self, node: str, why: str, probe: dict) -> bool:
+        """The health loop set `node` aside (`why`); `probe`: how to probe it elsewhere
+        (`hosts.probe.HostProbe.spec`). True where the policy hands it on (to a shared cluster's
+        fleet, which probes it before any job gets it again); False: the job keeps it aside."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class ScalingPolicy(Scaling):

@@ -82,8 +82,10 @@ class FleetCluster(RayCluster):
         groups = dict(self.grant.hosts)
         return Placement(reservations=[PlacementGroup(PlacementGroupID(bytes.fromhex(groups[n]))) for n in node_ids])
 
-    def release(self, node_ids: Sequence[str]) -> Grant:
-        return self._call("release", self.run, list(node_ids))
+    def release(self, node_ids: Sequence[str], suspect: dict[str, dict] | None = None) -> Grant:
+        """Give back `node_ids`; `suspect`: those of them the health loop set aside (node -> why
+        and how to probe it, `hosts.probe.HostProbe.spec`), which no job gets until they pass."""
+        return self._call("release", self.run, list(node_ids), dict(suspect or {}))
 
     def shutdown(self) -> None:
         self._stop.set()

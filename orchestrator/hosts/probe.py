@@ -51,6 +51,17 @@ def _probe(hook: HookRef | None) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    """A host set aside is probed `first_after_s` after, then at twice the wait each time it is
+    still slow (at most `max_wait_s`); it passes when its probe takes at most `healthy` times a
+    peer's."""
+
+    first_after_s: float = 10.0
+    max_wait_s: float = 600.0
+    healthy: float = 1.25
+
+
+@dataclasses.dataclass(frozen=True)
 class Probing:
     node: str
     reference: str
@@ -63,6 +74,17 @@ class HostProbe:
 
     def __init__(self, env: dict[str, str], hook: Callable[[str], HookRef | None] = lambda node: None):
         self.env, self.hook = env, hook
+
+    def spec(self, node: str) -> dict:
+        """How to probe `node` elsewhere, in plain data (the fleet scheduler probes a host a job
+        handed back as suspect): `for_node` makes the probe again."""
+        hook = self.hook(node)
+        return {"env": dict(self.env), "hook": dataclasses.asdict(hook) if hook is not None else None}
+
+    @classmethod
+    def for_node(cls, node: str, spec: dict) -> HostProbe:
+        hook = HookRef(**spec["hook"]) if spec.get("hook") else None
+        return cls(spec.get("env") or {}, lambda n: hook if n == node else None)
 
     def start(self, node: str, reference: str) -> Probing:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -77,7 +99,8 @@ class HostProbe:
         )
         return Probing(node, reference, refs)
 
-    def result(self, probing: Probing) -> float | None | bool:
+    @staticmethod
+    def result(probing: Probing) -> float | None | bool:
         """The node's time over the reference's once both are done; False while they run; None
         where a probe failed (the node gone: it stays set aside)."""
         ready, _ = ray.wait(list(probing.refs), num_returns=2, timeout=0)

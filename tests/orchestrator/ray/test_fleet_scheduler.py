@@ -104,6 +104,42 @@ def test_quotas_unknown_queues_and_a_shared_checkpoint_directory(fleet):
         ray.get(fleet.finish.remote(run))
 
 
+def test_a_host_given_back_as_suspect_is_held_from_every_job_until_its_probe_passes(cluster):
+    from orchestrator.hosts.probe import ProbeConfig
+
+    fleet = start(FleetSchedulerConfig(probe=ProbeConfig(first_after_s=0.5)))
+    try:
+        ray.get(fleet.register.remote(registration("low-1")))
+        low = until(fleet, "low-1", 4, "placed")
+        slow, mended = (node for node, _ in low.hosts[:2])
+        env = cluster.host_env()
+        suspect = {  # as a job's health loop hands them back: a straggler still 4x slow, a host now healthy
+            slow: {"why": "straggler at step 24", "env": env,
+                   "hook": {"factory": "orchestrator.chaos:HostFaults", "args": {"slow_step": [0, 4.0]}}},
+            mended: {"why": "hung at step 30", "env": env, "hook": None},
+        }  # fmt: skip
+        ray.get(fleet.release.remote("low-1", [slow, mended], suspect))
+        ray.get(fleet.finish.remote("low-1"))
+        held = ray.get(fleet.hosts.remote())
+        assert held[slow] == held[mended] == "suspect" and sorted(held.values()).count("") == 2
+        other = Grant.from_dict(ray.get(fleet.register.remote(registration("other-1"))))
+        assert other.target == 2, other  # the two suspects are nobody's to grant
+        end = time.monotonic() + DEADLINE_S
+        probed = lambda: [s["probe_ratios"] for s in ray.get(fleet.suspect_hosts.remote()).values()]  # noqa: E731
+        while (mended in ray.get(fleet.suspect_hosts.remote()) or not all(probed())) and time.monotonic() < end:
+            ray.get(fleet.report.remote("other-1"))  # (each heartbeat decides, and reads the probes)
+            time.sleep(0.2)
+        other = until(fleet, "other-1", 3, "the host that passed its probe granted again")
+        granted = {node for node, _ in other.hosts}
+        assert mended in granted and slow not in granted, (mended, slow, ray.get(fleet.suspect_hosts.remote()))
+        (still,) = ray.get(fleet.suspect_hosts.remote()).values()
+        assert still["why"] == "straggler at step 24" and still["run"] == "low-1"
+        assert still["probe_ratios"] and all(r > 1.25 for r in still["probe_ratios"]), still  # 4x a peer's time
+        ray.get(fleet.finish.remote("other-1"))
+    finally:
+        ray.kill(fleet)
+
+
 @pytest.mark.parametrize("fleet", [2.0], indirect=True)  # a job silent for 2 s is lost
 def test_a_job_that_stops_reporting_is_dropped_and_its_hosts_freed(fleet):
     ray.get(fleet.register.remote(registration("gone-1", max_hosts=4)))

@@ -516,7 +516,7 @@ class FleetWorld(World):
         super().__init__(hosts)
         from orchestrator.protocol.fleet import FleetProgress, Registration
 
-        self.target, self.reason, self.held, self.released = 0, reason, [], []
+        self.target, self.reason, self.held, self.released, self.suspect = 0, reason, [], [], {}
         self.registration = Registration("t-1", "t", 0, "default", 2, 4, "/tmp/x")
         self.progress, self.reported = FleetProgress, []
         self.set_target(target, reason)
@@ -549,8 +549,9 @@ class FleetWorld(World):
     def placement_on(self, nodes):
         return Placement(reservations=[f"pg-{n}" for n in nodes])
 
-    def release(self, nodes):
+    def release(self, nodes, suspect=None):
         self.released.append(list(nodes))
+        self.suspect.update(suspect or {})
         self.held = [n for n in self.held if n not in nodes]
         return self.grant
 

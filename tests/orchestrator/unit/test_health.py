@@ -280,6 +280,9 @@ class _Probe:
         self.started.append((node, reference))
         return node
 
+    def spec(self, node):
+        return {"env": {"XLA_FLAGS": "--x"}, "hook": None}
+
     def result(self, probing):
         return self.answers.pop(0)
 
@@ -311,6 +314,42 @@ def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_health
     assert "n2" in quarantine.alive_hosts()
     grow = scaling.while_running(view, running, quarantine.alive_hosts)
     assert isinstance(grow, policies.Resize) and grow.hosts == 4 and grow.event == EventKind.HOST_ADDED
+
+
+class _Fleet:
+    """The fleet scheduler as one job's `FleetFollowing` sees it: 4 hosts granted until given back."""
+
+    def __init__(self):
+        self.held, self.suspect = list(NODES), {}
+
+    def report(self):
+        from orchestrator.protocol.fleet import Grant
+
+        return Grant("t-1", "running", 4, tuple((n, f"pg-{n}") for n in self.held), "")
+
+    def release(self, nodes, suspect=None):
+        self.held = [n for n in self.held if n not in nodes]
+        self.suspect.update(suspect or {})
+        return self.report()
+
+
+def test_on_a_shared_cluster_a_straggler_goes_back_to_the_fleet_marked_suspect_and_the_job_probes_nothing():
+    from orchestrator.control.fleet_following import FleetFollowing
+
+    clock, probe, fleet = _Clock(), _Probe([]), _Fleet()
+    held = lambda: list(fleet.held)  # noqa: E731
+    quarantine = Quarantine(types.SimpleNamespace(alive_hosts=held, live_hosts=held))
+    scaling = HealthyScaling(FleetFollowing(2, fleet), _named_watch("act"), quarantine, lambda d: 1.0 / d, 2,
+                             probe=probe)  # fmt: skip
+    view = types.SimpleNamespace(**vars(_view()), clock=clock, cluster=quarantine)
+    decision = scaling.while_running(view, _running(), quarantine.alive_hosts)
+    assert isinstance(decision, policies.Resize) and decision.hosts == 3
+    assert scaling.admit(view, 3, 0.0) == policies.Resize(3, "granted")  # the group after: n2 given back
+    assert fleet.held == ["n0", "n1", "n3"]
+    assert fleet.suspect == {"n2": {"why": "straggler at step 8", "env": {"XLA_FLAGS": "--x"}, "hook": None}}
+    clock.t = 60.0
+    scaling.while_running(view, _running(3), quarantine.alive_hosts)
+    assert probe.started == []  # the fleet probes it, not the job that no longer holds it
 
 
 def test_a_hang_that_names_nobody_waits_three_times_as_long(tmp_path):
