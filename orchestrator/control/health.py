@@ -78,6 +78,7 @@ class HealthyScaling(policies.Scaling):
         self.hangs, self.corruption, self.losses = hangs, corruption, losses
         self.probe, self.probing = probe, probing or ProbeConfig()
         self._probation: dict[str, _Probation] = {}
+        self._strikes: dict[str, int] = {}  # node -> times set aside as a straggler
         self._traced: dict[int, _Traced] = {}
 
     def attach(self, view) -> None:
@@ -117,7 +118,10 @@ class HealthyScaling(policies.Scaling):
             return policies.Warn(EventKind.STRAGGLER, self._why(found, decided), fields)
         handed = self._set_aside(found.node, f"straggler at step {found.steps[-1]}")
         if self.probe is not None and not handed:  # (a fleet that took it probes it)
-            wait = self.probing.first_after_s
+            # A host taken back that straggles again waits twice as long as the time before: a
+            # probe passed by a host still slow (an idle host beside a busy peer) costs less each time.
+            self._strikes[found.node] = strikes = self._strikes.get(found.node, 0) + 1
+            wait = min(self.probing.first_after_s * 2 ** (strikes - 1), self.probing.max_wait_s)
             self._probation[found.node] = _Probation(found.node, view.clock() + wait, wait)
         return policies.Resize(state.target - 1, self._why(found, decided), EventKind.STRAGGLER, at_once=True,
                                fields=fields)  # fmt: skip

@@ -287,6 +287,10 @@ class _Probe:
         return self.answers.pop(0)
 
 
+def _view_at(clock):
+    return types.SimpleNamespace(**vars(_view()), clock=clock)
+
+
 def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_healthy():
     clock = _Clock()
     probe = _Probe([False, 3.1, 1.05])
@@ -314,6 +318,15 @@ def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_health
     assert "n2" in quarantine.alive_hosts()
     grow = scaling.while_running(view, running, quarantine.alive_hosts)
     assert isinstance(grow, policies.Resize) and grow.hosts == 4 and grow.event == EventKind.HOST_ADDED
+    # Slow again once back (its probe passed beside a busy peer): set aside, and probed after 20 s.
+    scaling.watch, probe.answers = _named_watch("act"), [False]
+    assert isinstance(scaling.while_running(_view_at(clock), _running(), quarantine.alive_hosts), policies.Resize)
+    clock.t = 31.5 + 19.0
+    scaling.while_running(view, running, quarantine.alive_hosts)
+    assert len(probe.started) == 2
+    clock.t = 31.5 + 20.5
+    scaling.while_running(view, running, quarantine.alive_hosts)
+    assert probe.started[-1] == ("n2", "n0")
 
 
 class _Fleet:
