@@ -127,7 +127,9 @@ class ConsoleCallback(ControllerCallback):
         f, step = event.fields, event.step
         line = {
             EventKind.HOST_LOST: lambda: (
-                f"lost  host(s) {f['hosts']} after step {step}"
+                f"stop  the group after step {step}, every host live ({f['detail']})"
+                if not f["hosts"]  # (the health loop's: a spike computed again, a hang restarted)
+                else f"lost  host(s) {f['hosts']} after step {step}"
                 + (f", process(es) {f['processes']} down with them" if f.get("processes") else "")
                 + f" ({f['detail']})"
             ),

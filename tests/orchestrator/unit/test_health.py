@@ -403,3 +403,18 @@ def test_the_loss_history_stays_a_few_windows_long():
     for step in range(1, 2001):
         _loss(watch, step, 2.0)
     assert len(watch._losses) <= 4 * watch.config.window + 1  # (no memory per step on a long job)
+
+
+def test_a_group_the_health_loop_stops_on_live_hosts_is_said_as_such_not_as_a_loss():
+    from orchestrator.protocol import Event
+    from orchestrator.telemetry.console import ConsoleCallback
+
+    lines = []
+    console = ConsoleCallback(lines.append)
+    detail = "the loss at step 25 is 9.1, up from 2.3: computed again from the state before it"
+    console.on_event(None, Event(EventKind.HOST_LOST, 26, 1.0, fields={"hosts": [], "processes": [], "detail": detail}))
+    console.on_event(None, Event(EventKind.HOST_LOST, 30, 2.0, fields={"hosts": [3], "processes": [], "detail": "x"}))
+    assert lines == [
+        f"stop  the group after step 26, every host live ({detail})",
+        "lost  host(s) [3] after step 30 (x)",
+    ]
