@@ -45,6 +45,10 @@ def test_the_plan_has_every_kind_of_fault_and_replays_from_its_seed():
         "lose-in-restore@",
         "freeze@",
         "add-in-recovery@",
+        "slow-step@",
+        "hang@",
+        "flip@",
+        "flip-grad@",
     ):
         assert kind in chaos, kind
     assert any(f.startswith("lose@") and ":0+" in f for leg in legs for f in leg.chaos)  # host 0 among two at once
@@ -58,6 +62,18 @@ def test_every_fault_fires_and_the_job_finishes(storm):
     assert storm["controller_kills"] == 2
     assert storm["finished"], storm
     assert storm["recoveries"] >= 20, storm["recovery_seconds"]
+
+
+def test_the_health_loop_finds_every_fault_that_does_not_crash(storm):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import fault_storm
+
+    legs, _ = fault_storm.plan_storm(SEED, 30)
+    planned = lambda kind: sum(f.startswith(f"{kind}@") for leg in legs for f in leg.chaos)  # noqa: E731
+    # (Each fired only once found: "chaos slow-step@...: found (straggler, excluded)".)
+    assert storm["stragglers_named"] >= planned("slow-step") >= 1
+    assert storm["hangs_found"] >= planned("hang") >= 1
+    assert storm["corruptions_found"] >= planned("flip") + planned("flip-grad") >= 2
 
 
 def test_losses_match_the_fault_free_run_at_every_step(storm):
