@@ -77,9 +77,11 @@ def hung(tmp_path_factory):
     return run_job(tmp_path_factory, "hung", 40, "hang@30:1")
 
 
-@pytest.fixture(scope="module")
-def flipped(tmp_path_factory):
-    return run_job(tmp_path_factory, "flipped", 40, "flip@25:3")
+@pytest.fixture(scope="module", params=["flip@25:3", pytest.param("flip@25:3x0", marks=pytest.mark.slow)],
+                ids=["bit30", "bit0"])  # fmt: skip
+def flipped(tmp_path_factory, request):
+    # A high exponent bit of a float32 (30, the default), and its lowest mantissa bit.
+    return run_job(tmp_path_factory, "flipped", 40, request.param)
 
 
 @pytest.fixture(scope="module")
