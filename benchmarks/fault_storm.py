@@ -106,7 +106,7 @@ def plan_storm(seed: int, faults: int, health: bool = True) -> tuple[list[Leg], 
     kinds += [rng.choice(drawn) for _ in range(max(0, faults - len(kinds)))]
     legs, leg, step = [], Leg(), 12
     for kind in kinds:
-        host, lost, injected = rng.randrange(3), 0, []  # injected: the --chaos faults this kind is
+        host, lost, injected, back = rng.randrange(3), 0, [], 3  # injected: the --chaos faults this kind is
         if kind == "lose":
             injected, lost = [f"lose@{step}:{host}"], 1
         elif kind == "lose-two":
@@ -122,14 +122,19 @@ def plan_storm(seed: int, faults: int, health: bool = True) -> tuple[list[Leg], 
             injected = [f"lose@{step}:{host}", f"add-in-recovery@{step}"]
         elif kind == "freeze":
             injected = [f"freeze@{step}:{host}"]
-        elif kind in ("slow-step", "hang", "flip"):  # the host is set aside; one comes back in its place
-            injected, lost = [f"{kind}@{step}:{host}" + ("x3" if kind == "slow-step" else "")], 1
+        elif kind == "slow-step":
+            # Named over 4 to 6 steps of one group: from just past a boundary (where a host added
+            # for the fault before grows the group), and its own host back only after it.
+            step = -(-step // EVERY) * EVERY + 1
+            injected, lost, back = [f"slow-step@{step}:{host}x3"], 1, EVERY - 1
+        elif kind in ("hang", "flip"):  # the host is set aside; one comes back in its place
+            injected, lost = [f"{kind}@{step}:{host}"], 1
         elif kind == "flip-grad":  # the step computed again, on the same hosts
             step = max(step, SPIKE_FROM)
             injected = [f"flip-grad@{step}:{host}"]
         elif kind == "disk-full":
             leg.disk_full_at = leg.disk_full_at or step
-        leg.chaos += injected + [f"add@{step + 3}"] * lost
+        leg.chaos += injected + [f"add@{step + back}"] * lost
         leg.faults += max(1, len(injected))  # a disk fill or a controller kill is the storm's own
         if kind in CONTROLLER_KILLS:
             # After a disk fill, not before the save it fails has been reported; and a commit to
@@ -139,7 +144,7 @@ def plan_storm(seed: int, faults: int, health: bool = True) -> tuple[list[Leg], 
             legs.append(leg)
             leg = Leg()  # a new controller starts a new embedded cluster of 4 hosts
             step += EVERY + 3  # past the newest commit the next leg resumes from
-        step += rng.randrange(6, 10)
+        step += rng.randrange(6, 10) + (EVERY if kind == "slow-step" else 0)  # (no other fault until it is named)
     legs.append(leg)
     return legs, step + 10
 

@@ -73,6 +73,7 @@ class HangWatch(ControllerCallback):
         self.log_dir, self.config, self.print = log_dir, config, printer or (lambda line: None)
         self._last: float | None = None  # controller clock: the group's latest report
         self._segment: int | None = None
+        self._median: float | None = None  # the median step of the latest group that stepped enough
         self._found: Hung | None = None
         self._reported = False  # this segment's hang found already
         self._since: tuple[str | None, float | None] = (None, None)  # the host set aside, and its last report
@@ -87,9 +88,15 @@ class HangWatch(ControllerCallback):
         if segment.index != self._segment:
             self._segment, self._last, self._reported = segment.index, view.clock(), False
         seconds = view.recent_step_seconds
-        if len(seconds) < self.config.warmup_steps:
+        if len(seconds) >= self.config.warmup_steps:
+            self._median = statistics.median(seconds)
+            threshold = max(self.config.multiple * self._median, self.config.floor_s)
+        elif self._median is not None:
+            # A group hung in its first steps (a restart's) is judged by the steps before it, with
+            # room for those first steps' compiles: `unnamed` times as long.
+            threshold = self.config.unnamed * max(self.config.multiple * self._median, self.config.floor_s)
+        else:
             return
-        threshold = max(self.config.multiple * (statistics.median(seconds) if seconds else 0.0), self.config.floor_s)
         waited = view.clock() - (self._last if self._last is not None else view.clock())
         if self._reported or waited < threshold:
             return

@@ -2,6 +2,7 @@
 step takes the group's time, and each waits on the devices and its peers for whatever of it is not
 its own work (`Step.wait_seconds`), so the straggler waits least."""
 
+import dataclasses
 import random
 import types
 
@@ -189,6 +190,17 @@ def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_host
     clock.t += 100
     watch.on_poll(view)
     assert watch.hung() is None  # once a group
+    # A group that hangs in its first steps, after a restart: judged by the steps before it, 3x.
+    view = _hang_view(clock, (2.0,), marks)
+    view.segment = dataclasses.replace(view.segment, index=view.segment.index + 1)
+    watch.on_poll(view)
+    clock.t += 29.9
+    watch.on_poll(view)
+    assert watch.hung() is None
+    clock.t += 0.2
+    watch.on_poll(view)
+    found = watch.hung()
+    assert found is not None and found.host == 1 and found.threshold == 30.0
 
 
 def test_copies_that_differ_send_the_job_back_to_their_last_agreement_without_the_named_host():
