@@ -19,23 +19,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..hosts.probe import ProbeConfig
+from ..hosts.probe import Probation, ProbeConfig
 from ..protocol import EventKind, ReplicasDiffer
 from . import policies
 from .corruption import CorruptionWatch, LossWatch, Spike, corrupted_hosts
 from .hangs import HangWatch, Hung
 from .quarantine import Quarantine
 from .stragglers import Straggler, StragglerWatch
-
-
-@dataclasses.dataclass
-class _Probation:
-    node: str
-    next_at: float  # controller clock
-    wait_s: float
-    tries: int = 0
-    probing: object = None  # a probe under way (`hosts.probe.Probing`)
-    ratios: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -77,7 +67,7 @@ class HealthyScaling(policies.Scaling):
         )  # fmt: skip
         self.hangs, self.corruption, self.losses = hangs, corruption, losses
         self.probe, self.probing = probe, probing or ProbeConfig()
-        self._probation: dict[str, _Probation] = {}
+        self._probation: dict[str, Probation] = {}
         self._strikes: dict[str, int] = {}  # node -> times set aside as a straggler
         self._traced: dict[int, _Traced] = {}
 
@@ -122,7 +112,7 @@ class HealthyScaling(policies.Scaling):
             # probe passed by a host still slow (an idle host beside a busy peer) costs less each time.
             self._strikes[found.node] = strikes = self._strikes.get(found.node, 0) + 1
             wait = min(self.probing.first_after_s * 2 ** (strikes - 1), self.probing.max_wait_s)
-            self._probation[found.node] = _Probation(found.node, view.clock() + wait, wait)
+            self._probation[found.node] = Probation.begin(found.node, self.probing, view.clock(), wait)
         return policies.Resize(state.target - 1, self._why(found, decided), EventKind.STRAGGLER, at_once=True,
                                fields=fields)  # fmt: skip
 
@@ -175,25 +165,16 @@ class HealthyScaling(policies.Scaling):
             return None
         group, now = view.group, view.clock()
         for p in list(self._probation.values()):
-            if p.probing is None:
-                if now >= p.next_at and group is not None and [n for n in group.node_ids if n != p.node]:
-                    p.probing = self.probe.start(p.node, next(n for n in group.node_ids if n != p.node))
+            peers = [n for n in group.node_ids if n != p.node] if group is not None else []
+            if not p.poll(self.probe, now, peers[0] if peers else None):
                 continue
-            ratio = self.probe.result(p.probing)
-            if ratio is False:
-                continue  # (still running)
-            p.probing, p.tries = None, p.tries + 1
-            p.ratios.append(None if ratio is None else round(ratio, 3))
-            if ratio is not None and ratio <= self.probing.healthy:
-                del self._probation[p.node]
-                self.quarantine.release(p.node)
-                why = (f"node {p.node[:8]}, set aside as a straggler, passed its probe ({ratio:.2f}x a peer's time, "
-                       f"at most {self.probing.healthy:.2f}x): taken back")  # fmt: skip
-                fields = {"host": None, "node": p.node, "action": "taken back",
-                          "evidence": {"probe_ratios": p.ratios, "tries": p.tries}}  # fmt: skip
-                return policies.Warn(EventKind.STRAGGLER, why, fields)
-            p.wait_s = min(2 * p.wait_s, self.probing.max_wait_s)
-            p.next_at = now + p.wait_s
+            del self._probation[p.node]
+            self.quarantine.release(p.node)
+            why = (f"node {p.node[:8]}, set aside as a straggler, passed its probe ({p.ratios[-1]:.2f}x a peer's "
+                   f"time, at most {self.probing.healthy:.2f}x): taken back")  # fmt: skip
+            fields = {"host": None, "node": p.node, "action": "taken back",
+                      "evidence": {"probe_ratios": p.ratios, "tries": len(p.ratios)}}  # fmt: skip
+            return policies.Warn(EventKind.STRAGGLER, why, fields)
         return None
 
     def _recompute(self, view, spike: Spike):

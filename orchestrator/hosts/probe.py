@@ -1,5 +1,8 @@
 """A host's probe: the same fixed piece of device work timed on a host set aside and on a healthy
-one, side by side, so that a straggler is taken back once it computes at its peers' pace again.
+one, side by side, so that a straggler is taken back once it computes at its peers' pace again;
+and a host's probation (`Probation`): probed after a wait, then at doubling waits, until it passes.
+The job's health loop keeps a straggler on probation, the fleet scheduler a host handed back
+as suspect.
 
 The work is a jitted matmul loop on the host's first device, in a fresh process on that node
 (a Ray task pinned to it, with the hosts' environment): no collective, so what it times is the
@@ -111,3 +114,40 @@ class HostProbe:
         except ray.exceptions.RayError:
             return None
         return mine / max(theirs, 1e-9)
+
+
+@dataclasses.dataclass
+class Probation:
+    """A host set aside, probed `config.first_after_s` after (or `wait_s`), then at twice the wait
+    each time it is still slow, until a probe takes at most `config.healthy` times a peer's."""
+
+    node: str
+    config: ProbeConfig
+    next_at: float  # the caller's clock
+    wait_s: float
+    probing: Probing | None = None  # a probe under way
+    ratios: list = dataclasses.field(default_factory=list)  # each probe's time over its peer's
+
+    @classmethod
+    def begin(cls, node: str, config: ProbeConfig, now: float, wait_s: float | None = None) -> Probation:
+        wait_s = config.first_after_s if wait_s is None else wait_s
+        return cls(node, config, now + wait_s, wait_s)
+
+    def poll(self, probe: HostProbe, now: float, reference: str | None) -> bool | None:
+        """Starts a probe when due (beside `reference`, where there is one) and reads it when done,
+        without waiting: True once one passed; False when one failed (the next waits twice as
+        long); None while nothing is new."""
+        if self.probing is None:
+            if now >= self.next_at and reference is not None:
+                self.probing = probe.start(self.node, reference)
+            return None
+        ratio = probe.result(self.probing)
+        if ratio is False:
+            return None  # (still running)
+        self.probing = None
+        self.ratios.append(None if ratio is None else round(ratio, 3))
+        if ratio is not None and ratio <= self.config.healthy:
+            return True
+        self.wait_s = min(2 * self.wait_s, self.config.max_wait_s)
+        self.next_at = now + self.wait_s
+        return False
