@@ -9,10 +9,8 @@ A reservation for hosts another job still holds waits in Ray until that job give
 a job is told to run only on reservations Ray has placed, so it never grows into a host before
 the host is its own.
 
-A host a job's health loop set aside comes back marked suspect (`release(..., suspect)`): the
-scheduler holds it itself (the job's reservation of it becomes the scheduler's), so that no job gets it, and probes it
-(`hosts.probe`: the same device work on it and on another host) after `ProbeConfig.first_after_s`,
-then at twice the wait each time it is still slow; it is free again once a probe passes.
+A host a job's health loop set aside comes back marked suspect (`release(..., suspect)`): held
+and probed until it passes (`suspects.Suspects`), it is nobody's to grant meanwhile.
 
 On a cluster whose hosts say their slices (`hosts.slices.host_slices`), each reservation is
 pinned to a host the scheduler chooses (a label selector on Ray's `ray.io/node-id`): a job that
@@ -33,10 +31,11 @@ import dataclasses
 import itertools
 import time
 
-from ..hosts.probe import HostProbe, ProbeConfig
+from ..hosts.probe import ProbeConfig
 from ..protocol.fleet import HOST_RESOURCE, Grant, Registration
 from .config import check_queue
 from .policy import FleetPolicyConfig, JobView, Quota, allocate
+from .suspects import Suspects
 
 NAME, NAMESPACE = "remesh-fleet", "remesh"
 NODE_LABEL = "ray.io/node-id"  # Ray's own label on every node: pins a reservation to one host
@@ -70,30 +69,12 @@ class _Entry:
     unit: int = 1  # hosts it is granted in: its slice's, where it runs whole slices of a sliced cluster
 
 
-@dataclasses.dataclass
-class _Suspect:
-    """A host a job set aside, held by the scheduler until its probe passes."""
-
-    why: str
-    run: str  # the job that set it aside
-    probe: dict  # how to probe it (`hosts.probe.HostProbe.spec`)
-    since: float
-    next_at: float
-    wait_s: float
-    hold: object = None  # the reservation of it, the job's before, the scheduler's now
-    probing: object = None  # a probe under way (`hosts.probe.Probing`)
-    ratios: list = dataclasses.field(default_factory=list)
-
-
 class FleetScheduler:
     """The actor's class (`start` makes the actor)."""
 
     def __init__(self, config: dict):
-        probe = config.get("probe") or {}
-        self.config = FleetSchedulerConfig(
-            **{**config, "probe": ProbeConfig(**probe) if isinstance(probe, dict) else probe}
-        )
-        self.suspects: dict[str, _Suspect] = {}  # node -> why it is held
+        self.config = FleetSchedulerConfig(**{**config, "probe": ProbeConfig(**config.get("probe", {}))})
+        self.suspects = Suspects(self.config.probe)
         self.policy = FleetPolicyConfig({q: Quota(n) for q, n in self.config.quotas.items()})
         self.jobs: dict[str, _Entry] = {}
         self._arrivals = itertools.count()
@@ -126,17 +107,13 @@ class FleetScheduler:
         of them its health loop set aside (node -> {"why", and how to probe it: "env", "hook"}):
         held until a probe passes."""
         entry, suspect = self._entry(run), suspect or {}
-        now, wait = time.monotonic(), self.config.probe.first_after_s
         for pg_id, pg in list(entry.pgs.items()):
             node = _node_of(pg)
             if node in suspect and node not in self.suspects:
                 # The job's reservation becomes the hold: dropped and made again, another job's
                 # waiting one could be placed on the host in between.
-                said, _ = suspect[node], entry.pinned.pop(pg_id, None)
-                probe = {k: v for k, v in said.items() if k != "why"}
-                self.suspects[node] = _Suspect(
-                    said.get("why", ""), run, probe, now, now + wait, wait, entry.pgs.pop(pg_id)
-                )
+                entry.pinned.pop(pg_id, None)
+                self.suspects.hold(node, run, suspect[node], entry.pgs.pop(pg_id), time.monotonic())
             elif node in node_ids:
                 _drop(entry, pg_id)
         return self._decide_and_grant(run)
@@ -179,9 +156,7 @@ class FleetScheduler:
     def suspect_hosts(self) -> dict:
         """The hosts held as suspect: node id -> why, by which run, since (seconds ago), and each
         probe's time over its reference's so far."""
-        now = time.monotonic()
-        return {node: {"why": s.why, "run": s.run, "seconds": round(now - s.since, 1), "probe_ratios": s.ratios}
-                for node, s in self.suspects.items()}  # fmt: skip
+        return self.suspects.report(time.monotonic())
 
     # -- deciding and reserving ---------------------------------------------------------------
     def _entry(self, run: str) -> _Entry:
@@ -211,7 +186,7 @@ class FleetScheduler:
         # Each reservation's state, asked of Ray's GCS once per decision.
         nodes = _nodes()  # one read of Ray's node table per decision (every job's heartbeat decides)
         alive, said = _alive_hosts(nodes), _slices(nodes)
-        self._probe_suspects(set(alive), now)
+        self.suspects.probe(set(alive), now)
         alive = [n for n in alive if n not in self.suspects]  # (held: no job's)
         live = set(alive)
         for e in self.jobs.values():
@@ -242,36 +217,6 @@ class FleetScheduler:
             if e.shrink and len(placed[run] & set(e.pgs)) <= e.target:
                 e.shrink = ""
         return {run: {pg: t for pg, t in tables[run].items() if pg in e.pgs} for run, e in self.jobs.items()}
-
-    def _probe_suspects(self, alive: set[str], now: float) -> None:
-        """Each suspect host due is probed beside another live host, without waiting (the next
-        decision reads it); one that passes is free again, one still slow waits twice as long."""
-        config = self.config.probe
-        for node, s in list(self.suspects.items()):
-            if node not in alive:  # (gone: nothing to hold)
-                _unhold(self.suspects.pop(node))
-                continue
-            if s.probing is None:
-                peers = sorted(alive - set(self.suspects))
-                if now >= s.next_at and peers:
-                    s.probing = HostProbe.for_node(node, s.probe).start(node, peers[0])
-                continue
-            ratio = HostProbe.result(s.probing)
-            if ratio is False:
-                continue
-            s.probing = None
-            s.ratios.append(None if ratio is None else round(ratio, 3))
-            if ratio is not None and ratio <= config.healthy:
-                _unhold(self.suspects.pop(node))
-            else:
-                s.wait_s = min(2 * s.wait_s, config.max_wait_s)
-                s.next_at = now + s.wait_s
-
-
-def _unhold(s: _Suspect) -> None:
-    import ray
-
-    ray.util.remove_placement_group(s.hold)
 
 
 def _view(run: str, e: _Entry, reserved: int) -> JobView:
