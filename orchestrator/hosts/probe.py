@@ -20,25 +20,30 @@ import ray
 
 from ..protocol import HookRef
 
-SIZE, REPEATS, ROUNDS = 1024, 8, 5
+SIZE, ROUNDS, ROUND_S = 1024, 5, 0.05
 
 
 def _work() -> float:
-    """Seconds for REPEATS matmuls of SIZE x SIZE on this process's first device: the fastest of
-    ROUNDS (compiled first; a moment's contention is not the host's speed). A wrong answer (the
-    sum of a product of ones is SIZE**3, exact in float32) is an infinite time: a host whose device
-    computes wrongly never passes."""
+    """Seconds a matmul of SIZE x SIZE takes on this process's first device: the fastest of
+    ROUNDS rounds (a moment's contention is not the host's speed), each of as many matmuls as
+    take ROUND_S or more (a device that computes one in microseconds is timed, not its dispatch).
+    A wrong answer (the sum of a product of ones is SIZE**3, exact in float32) is an infinite time:
+    a host whose device computes wrongly never passes."""
     import jax
     import jax.numpy as jnp
 
     x = jnp.ones((SIZE, SIZE), jnp.float32)
     f = jax.jit(lambda a: (a @ a).sum())
-    f(x).block_until_ready()
-    best, answers = float("inf"), []
-    for _ in range(ROUNDS):
+    answers, repeats, timed = [f(x).block_until_ready()], 1, []
+    while len(timed) < ROUNDS:  # (bounded: `repeats` doubles at most 12 times)
         t = time.perf_counter()
-        answers += jax.block_until_ready([f(x) for _ in range(REPEATS)])
-        best = min(best, time.perf_counter() - t)
+        answers += jax.block_until_ready([f(x) for _ in range(repeats)])
+        took = time.perf_counter() - t
+        if took < ROUND_S and repeats < 4096:
+            repeats *= 2
+        else:
+            timed.append(took / repeats)
+    best = min(timed)
     return best if all(float(a) == SIZE**3 for a in answers) else float("inf")
 
 
