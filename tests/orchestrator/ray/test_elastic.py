@@ -195,8 +195,9 @@ def test_a_slow_host_set_aside_is_probed_until_it_heals_and_then_taken_back(prob
     assert back["action"] == "taken back" and back["node"] == excluded["node"], back
     *slow, healthy = back["evidence"]["probe_ratios"]
     # Probed 10 s after, then at doubling waits: 3x slow until heal@60 (here the first probe
-    # comes before it; a machine far faster would heal first), then within 1.25x.
-    assert all(r > 2 for r in slow) and healthy <= 1.25, back["evidence"]
+    # comes before it; a machine far faster would heal first), so failing the rule (over 1.25x;
+    # 2.2x to 3.4x measured: the peer probed is busy training), then within 1.25x.
+    assert all(r > 1.25 for r in slow) and healthy <= 1.25, back["evidence"]
     assert [s["hosts"] for s in probed["segments"]] == [4, 3, 4]
     assert probed["segments"][2]["first_step"] == probed["segments"][1]["last_step"] + 1
     np.testing.assert_allclose(probed["losses"][:100], static["losses"], rtol=1e-4)
