@@ -159,7 +159,7 @@ class HealthyScaling(policies.Scaling):
 
     def _probed(self, view) -> policies.Warn | None:
         """Probes the stragglers set aside that are due (beside a host of the group, without
-        waiting), and takes back the first whose probe is healthy: the job's scaling policy then
+        waiting), and takes back the first whose probes passed: the job's scaling policy then
         sees one more host, as a host added."""
         if not self._probation:
             return None

@@ -1,7 +1,8 @@
 """Hosts a job's health loop set aside and handed back to the fleet marked suspect: the scheduler
 holds each (the job's reservation of it becomes the scheduler's, so no job gets it) and keeps it
 on probation (`hosts.probe.Probation`: the same device work on it and on another host, after
-`ProbeConfig.first_after_s`, then at doubling waits); it is free again once a probe passes.
+`ProbeConfig.first_after_s`, then at doubling waits); it is free again once its probes pass
+(`ProbeConfig.passes` in a row).
 """
 
 from __future__ import annotations

@@ -61,12 +61,15 @@ def _probe(hook: HookRef | None) -> float:
 @dataclasses.dataclass(frozen=True)
 class ProbeConfig:
     """A host set aside is probed `first_after_s` after, then at twice the wait each time it is
-    still slow (at most `max_wait_s`); it passes when its probe takes at most `healthy` times a
-    peer's."""
+    still slow (at most `max_wait_s`); it passes when `passes` probes in a row, the later ones at
+    once, each take at most `healthy` times a peer's. (One probe is one sample of two hosts' speed
+    while the peer trains: a host 3x slow measured 1.3x to 13x a busy peer on a loaded machine, so
+    one pass alone could take a straggler back. Load balancers' health checks ask as much.)"""
 
     first_after_s: float = 10.0
     max_wait_s: float = 600.0
     healthy: float = 1.25
+    passes: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,8 @@ class HostProbe:
 @dataclasses.dataclass
 class Probation:
     """A host set aside, probed `config.first_after_s` after (or `wait_s`), then at twice the wait
-    each time it is still slow, until a probe takes at most `config.healthy` times a peer's."""
+    each time it is still slow, until `config.passes` probes in a row take at most
+    `config.healthy` times a peer's."""
 
     node: str
     config: ProbeConfig
@@ -132,6 +136,7 @@ class Probation:
     wait_s: float
     probing: Probing | None = None  # a probe under way
     ratios: list = dataclasses.field(default_factory=list)  # each probe's time over its peer's
+    streak: int = 0  # the probes passed in a row
 
     @classmethod
     def begin(cls, node: str, config: ProbeConfig, now: float, wait_s: float | None = None) -> Probation:
@@ -140,8 +145,8 @@ class Probation:
 
     def poll(self, probe: HostProbe, now: float, reference: str | None) -> bool | None:
         """Starts a probe when due (beside `reference`, where there is one) and reads it when done,
-        without waiting: True once one passed; False when one failed (the next waits twice as
-        long); None while nothing is new."""
+        without waiting: True once enough passed in a row; False when one failed (the next waits
+        twice as long); None while nothing is new (a pass not yet enough: the next starts at once)."""
         if self.probing is None:
             if now >= self.next_at and reference is not None:
                 self.probing = probe.start(self.node, reference)
@@ -152,7 +157,12 @@ class Probation:
         self.probing = None
         self.ratios.append(None if ratio is None else round(ratio, 3))
         if ratio is not None and ratio <= self.config.healthy:
-            return True
+            self.streak += 1
+            if self.streak >= self.config.passes:
+                return True
+            self.next_at = now
+            return None
+        self.streak = 0
         self.wait_s = min(2 * self.wait_s, self.config.max_wait_s)
         self.next_at = now + self.wait_s
         return False

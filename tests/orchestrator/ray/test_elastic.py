@@ -172,7 +172,9 @@ def test_host_loss_recovers_with_parts_recorded(elastic):
 
 def test_a_slow_host_is_named_and_the_job_goes_on_without_it_with_the_static_losses(straggler, static):
     assert straggler["state"] == "finished" and straggler["steps_completed"] == 40
-    (slow,) = kinds(straggler, "straggler")
+    named = kinds(straggler, "straggler")
+    assert len(named) == 1, named  # (a probe 10 s after, if the run lasts that long, fails: no event)
+    (slow,) = named
     assert slow["host"] == 2 and slow["action"] == "excluded" and slow["hosts"] == 3, slow
     evidence = slow["evidence"]
     assert 20 < evidence["steps"][0] and evidence["steps"][-1] <= 25, evidence  # named within 5 steps of 20
@@ -193,11 +195,11 @@ def test_a_slow_host_set_aside_is_probed_until_it_heals_and_then_taken_back(prob
     excluded, back = kinds(probed, "straggler")
     assert excluded["host"] == 2 and excluded["action"] == "excluded", excluded
     assert back["action"] == "taken back" and back["node"] == excluded["node"], back
-    *slow, healthy = back["evidence"]["probe_ratios"]
+    ratios = back["evidence"]["probe_ratios"]
     # Probed 10 s after, then at doubling waits: 3x slow until heal@60 (here the first probe
     # comes before it; a machine far faster would heal first), so failing the rule (over 1.25x;
-    # 2.2x to 3.4x measured: the peer probed is busy training), then within 1.25x.
-    assert all(r > 1.25 for r in slow) and healthy <= 1.25, back["evidence"]
+    # 2.2x to 3.4x measured: the peer probed is busy training), then twice in a row within 1.25x.
+    assert ratios[0] > 1.25 and all(r <= 1.25 for r in ratios[-2:]), back["evidence"]
     assert [s["hosts"] for s in probed["segments"]] == [4, 3, 4]
     assert probed["segments"][2]["first_step"] == probed["segments"][1]["last_step"] + 1
     np.testing.assert_allclose(probed["losses"][:100], static["losses"], rtol=1e-4)

@@ -305,7 +305,7 @@ def _view_at(clock):
 
 def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_healthy():
     clock = _Clock()
-    probe = _Probe([False, 3.1, 1.05])
+    probe = _Probe([False, 3.1, 1.05, 1.4, 1.1, 1.02])
     watch, quarantine = _named_watch("act"), Quarantine(_Cluster())
     scaling = HealthyScaling(policies.ScalingPolicy(2, 4), watch, quarantine, lambda d: 1.0 / d, 2, probe=probe)
     view = types.SimpleNamespace(**vars(_view()), clock=clock)
@@ -324,21 +324,33 @@ def test_a_straggler_set_aside_is_probed_with_backoff_and_taken_back_once_health
     assert len(probe.started) == 1  # (backed off: 20 s after the failed probe)
     clock.t = 31.5
     scaling.while_running(view, running, quarantine.alive_hosts)  # started
+    # Passed once, probed again at once; 1.4x: the streak broken, backed off 40 s.
+    for _ in range(3):
+        assert isinstance(scaling.while_running(view, running, quarantine.alive_hosts), policies.Continue)
+    assert len(probe.started) == 3 and "n2" not in quarantine.alive_hosts()
+    clock.t = 31.5 + 39.0
+    scaling.while_running(view, running, quarantine.alive_hosts)
+    assert len(probe.started) == 3
+    clock.t = 31.5 + 40.5
+    scaling.while_running(view, running, quarantine.alive_hosts)  # started: 1.1x, and again at once: 1.02x
+    assert isinstance(scaling.while_running(view, running, quarantine.alive_hosts), policies.Continue)
+    scaling.while_running(view, running, quarantine.alive_hosts)
     taken = scaling.while_running(view, running, quarantine.alive_hosts)
     assert isinstance(taken, policies.Warn) and taken.fields["action"] == "taken back", taken
-    assert taken.fields["evidence"] == {"probe_ratios": [3.1, 1.05], "tries": 2}
+    assert taken.fields["evidence"] == {"probe_ratios": [3.1, 1.05, 1.4, 1.1, 1.02], "tries": 5}
     assert "n2" in quarantine.alive_hosts()
     grow = scaling.while_running(view, running, quarantine.alive_hosts)
     assert isinstance(grow, policies.Resize) and grow.hosts == 4 and grow.event == EventKind.HOST_ADDED
     # Slow again once back (its probe passed beside a busy peer): set aside, and probed after 20 s.
     scaling.watch, probe.answers = _named_watch("act"), [False]
     assert isinstance(scaling.while_running(_view_at(clock), _running(), quarantine.alive_hosts), policies.Resize)
-    clock.t = 31.5 + 19.0
+    back = clock.t
+    clock.t = back + 19.0
     scaling.while_running(view, running, quarantine.alive_hosts)
-    assert len(probe.started) == 2
-    clock.t = 31.5 + 20.5
+    assert len(probe.started) == 5
+    clock.t = back + 20.5
     scaling.while_running(view, running, quarantine.alive_hosts)
-    assert probe.started[-1] == ("n2", "n0")
+    assert len(probe.started) == 6 and probe.started[-1] == ("n2", "n0")
 
 
 class _Fleet:
