@@ -66,8 +66,9 @@ def waited_on(progress: Sequence[dict | None]) -> int | None:
 
 class HangWatch(ControllerCallback):
     """Finds a step that does not finish while every host answers its polls: nothing reported for
-    max(`multiple` x the median step, `floor_s`) once the group has stepped a few times. Before anything is
-    killed it writes every host's stacks under `log_dir`; `hung()` is what it found (once)."""
+    max(`multiple` x the median step, `floor_s`) once the group has stepped a few times (a
+    restarted group from its first step on, by the steps before it). Before anything is killed it
+    writes every host's stacks under `log_dir`; `hung()` is what it found (once)."""
 
     def __init__(self, log_dir: str, config: HangConfig = HangConfig(), printer: Callable[[str], None] | None = None):
         self.log_dir, self.config, self.print = log_dir, config, printer or (lambda line: None)
@@ -83,19 +84,12 @@ class HangWatch(ControllerCallback):
 
     def on_poll(self, view) -> None:
         segment, group = view.segment, view.group
-        if segment is None or group is None or segment.first_step is None:
-            return  # a group that has not stepped yet compiles and restores: its own timeouts apply
+        if segment is None or group is None:
+            return
         if segment.index != self._segment:
             self._segment, self._last, self._reported = segment.index, view.clock(), False
-        seconds = view.recent_step_seconds
-        if len(seconds) >= self.config.warmup_steps:
-            self._median = statistics.median(seconds)
-            threshold = max(self.config.multiple * self._median, self.config.floor_s)
-        elif self._median is not None:
-            # A group hung in its first steps (a restart's) is judged by the steps before it, with
-            # room for those first steps' compiles: `unnamed` times as long.
-            threshold = self.config.unnamed * max(self.config.multiple * self._median, self.config.floor_s)
-        else:
+        threshold = self._threshold(view.recent_step_seconds, segment, group.progress)
+        if threshold is None:
             return
         waited = view.clock() - (self._last if self._last is not None else view.clock())
         if self._reported or waited < threshold:
@@ -108,6 +102,20 @@ class HangWatch(ControllerCallback):
         where = self._write_stacks(view, step)
         self._found = Hung(host, None if host is None else group.node_ids[host], step, waited, threshold,
                            tuple(group.progress), where)  # fmt: skip
+
+    def _threshold(self, seconds, segment, progress) -> float | None:
+        """Seconds without a report that make the group's step hung; None: not judged yet."""
+        if segment.first_step is not None and len(seconds) >= self.config.warmup_steps:
+            self._median = statistics.median(seconds)
+            return max(self.config.multiple * self._median, self.config.floor_s)
+        if self._median is None:
+            return None  # the job's first group: no step seen yet says what one takes
+        if segment.first_step is None and not all(p and p["where"] for p in progress):
+            return None  # a host still restores or compiles (before its loop): not a step yet
+        # A restarted group hung in its first steps (its very first included, once every host's
+        # loop began: compiled and restored) is judged by the steps before it, with room for
+        # those first steps' compiles of the stop agreement and the digest: `unnamed` times as long.
+        return self.config.unnamed * max(self.config.multiple * self._median, self.config.floor_s)
 
     def hung(self) -> Hung | None:
         found = self._found

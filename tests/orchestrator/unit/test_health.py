@@ -201,6 +201,23 @@ def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_host
     watch.on_poll(view)
     found = watch.hung()
     assert found is not None and found.host == 1 and found.threshold == 30.0
+    # Hung in its very first step: judged once every host's loop began (restored and compiled).
+    restoring = [{"step": 0, "where": "", "at": 0.0}, marks[1], None]
+    view = _hang_view(clock, (), restoring)
+    view.segment = dataclasses.replace(view.segment, index=view.segment.index + 2, first_step=None)
+    watch.on_poll(view)
+    clock.t += 100
+    watch.on_poll(view)
+    assert watch.hung() is None  # hosts 0 and 2 still restore or compile: no step yet
+    view.group.progress = marks
+    watch.on_report(view, 0, None, True)
+    clock.t += 29.9
+    watch.on_poll(view)
+    assert watch.hung() is None
+    clock.t += 0.2
+    watch.on_poll(view)
+    found = watch.hung()
+    assert found is not None and found.host == 1 and found.threshold == 30.0
 
 
 def test_copies_that_differ_send_the_job_back_to_their_last_agreement_without_the_named_host():
