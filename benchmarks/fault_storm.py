@@ -144,7 +144,10 @@ def plan_storm(seed: int, faults: int, health: bool = True) -> tuple[list[Leg], 
             legs.append(leg)
             leg = Leg()  # a new controller starts a new embedded cluster of 4 hosts
             step += EVERY + 3  # past the newest commit the next leg resumes from
-        step += rng.randrange(6, 10) + (EVERY if kind == "slow-step" else 0)  # (no other fault until it is named)
+        # After a slow-step, no other fault until it is named and its replacement (added at the
+        # boundary past it) is in the group: the group grows at that boundary or, where the host
+        # is seen late, at the next one, which the next fault must come after.
+        step += rng.randrange(6, 10) + (2 * EVERY if kind == "slow-step" else 0)
     legs.append(leg)
     return legs, step + 10
 

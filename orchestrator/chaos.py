@@ -222,6 +222,9 @@ class ChaosCallback(ControllerCallback):
             "jitter": {i: (f.step, f.factor) for f in pending("jitter") for i in range(hosts)},
             "stall": {f.host_in(hosts): (f.step, f.factor) for f in pending("stall")},
         }
+        nodes = view.group.node_ids
+        for i, (step, factor) in health["slow_step"].items():  # (said each group: which node a slow-step slows)
+            self.print(f"chaos slow-step from {step} x{factor:g}: host {i} of {len(nodes)} (node {nodes[i][:8]})")
         hooks = {}
         for i in sorted({*save, *phase, *slow, *(h for found in health.values() for h in found)}):
             args = {"hang_in": phase.get(i), "hang_before_save": save.get(i), "slow_input_from": slow.get(i)}
@@ -253,7 +256,9 @@ class ChaosCallback(ControllerCallback):
         group = view.group
         for fault in (*self.injector.pending("slow-step"), *self.injector.pending("flip-grad")):
             if fault not in self._nodes and fault.step <= view.step_reached + 1 and group is not None:
-                self._nodes[fault] = group.node_ids[fault.host_in(group.size)]
+                self._nodes[fault] = node = group.node_ids[fault.host_in(group.size)]
+                self.print(f"chaos {fault}: follows node {node[:8]} (host {fault.host_in(group.size)} of "
+                           f"{group.size} at step {view.step_reached})")  # fmt: skip
 
     def on_state(self, view, previous, state) -> None:
         if state.phase is Phase.RUNNING and previous.phase is Phase.STARTING and state.recovery is not None:
