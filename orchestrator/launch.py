@@ -99,7 +99,9 @@ def _health(job: JobSpec, cluster, scaling, plans: PlanCache, callbacks: list, e
     the cluster and scaling policy the controller gets with it. Hangs are always watched for;
     stragglers as `[health] stragglers` says."""
     watch = StragglerWatch(StragglerConfig(mode=job.health.stragglers))
-    hangs = HangWatch(os.path.join(os.path.dirname(job.checkpoint.dir), "logs"))
+    hangs = HangWatch(
+        os.path.join(os.path.dirname(job.checkpoint.dir), "logs"), printer=lambda line: print(line, flush=True)
+    )
     corruption, losses = CorruptionWatch(), LossWatch()
     callbacks += [watch, hangs, corruption, losses]
     quarantine = Quarantine(cluster)

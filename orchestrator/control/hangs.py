@@ -78,6 +78,7 @@ class HangWatch(ControllerCallback):
         self._found: Hung | None = None
         self._reported = False  # this segment's hang found already
         self._since: tuple[str | None, float | None] = (None, None)  # the host set aside, and its last report
+        self._seen: tuple[Hung, float | None] | None = None  # a step seen hung, and the last report before it
 
     def on_report(self, view, host: int, report, speaker: bool) -> None:
         self._last = view.clock()
@@ -87,7 +88,10 @@ class HangWatch(ControllerCallback):
         if segment is None or group is None:
             return
         if segment.index != self._segment:
-            self._segment, self._last, self._reported = segment.index, view.clock(), False
+            self._segment, self._last, self._reported, self._seen = segment.index, view.clock(), False, None
+        if self._seen is not None:
+            self._confirm()
+            return
         threshold = self._threshold(view.recent_step_seconds, segment, group.progress)
         if threshold is None:
             return
@@ -100,8 +104,21 @@ class HangWatch(ControllerCallback):
         self._reported = True
         step = max((p["step"] for p in group.progress if p), default=view.step_reached)
         where = self._write_stacks(view, step)
-        self._found = Hung(host, None if host is None else group.node_ids[host], step, waited, threshold,
-                           tuple(group.progress), where)  # fmt: skip
+        seen = Hung(host, None if host is None else group.node_ids[host], step, waited, threshold,
+                    tuple(group.progress), where)  # fmt: skip
+        self._seen = (seen, self._last)
+
+    def _confirm(self) -> None:
+        """A step seen hung is found hung only where the group reported nothing more while every
+        host's stacks were written (seconds, on a loaded machine): a step that was only slow (a
+        save beside hosts starting up) has finished by then, and training goes on."""
+        (seen, last), self._seen = self._seen, None
+        if self._last == last:
+            self._found = seen
+            return
+        self._reported = False
+        self.print(f"hang  step {seen.step} went {seen.waited:.1f} s without a report, then finished while the "
+                   f"stacks were written: slow, not hung (stacks kept in {seen.stacks})")  # fmt: skip
 
     def _threshold(self, seconds, segment, progress) -> float | None:
         """Seconds without a report that make the group's step hung; None: not judged yet."""

@@ -181,6 +181,8 @@ def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_host
     assert watch.hung() is None  # under 5 x 2 s
     clock.t += 0.2
     watch.on_poll(view)
+    assert watch.hung() is None  # seen: every host's stacks written, then looked at again
+    watch.on_poll(view)
     found = watch.hung()
     assert found is not None and found.host == 1 and found.node == "n1" and found.step == 31
     assert found.threshold == 10.0 and found.waited == pytest.approx(10.1)
@@ -199,6 +201,7 @@ def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_host
     assert watch.hung() is None
     clock.t += 0.2
     watch.on_poll(view)
+    watch.on_poll(view)
     found = watch.hung()
     assert found is not None and found.host == 1 and found.threshold == 30.0
     # Hung in its very first step: judged once every host's loop began (restored and compiled).
@@ -216,8 +219,26 @@ def test_a_hang_is_found_after_five_median_steps_or_five_seconds_with_every_host
     assert watch.hung() is None
     clock.t += 0.2
     watch.on_poll(view)
+    watch.on_poll(view)
     found = watch.hung()
     assert found is not None and found.host == 1 and found.threshold == 30.0
+
+
+def test_a_step_that_finishes_while_the_stacks_are_written_was_slow_not_hung(tmp_path):
+    clock, said = _Clock(), []
+    marks = [{"step": 31, "where": w, "at": 0.0} for w in ("dispatched", "dispatching", "dispatched")]
+    watch = HangWatch(str(tmp_path), printer=said.append)
+    view = _hang_view(clock, (0.4,) * 5, marks)
+    watch.on_poll(view)
+    clock.t = 5.5
+    watch.on_poll(view)  # seen: the stacks written
+    watch.on_report(view, 0, None, True)  # meanwhile the step finished (a save beside hosts starting)
+    watch.on_poll(view)
+    assert watch.hung() is None and "slow, not hung" in said[0], said
+    clock.t = 11.0
+    watch.on_poll(view)
+    watch.on_poll(view)
+    assert watch.hung() is not None  # judged again: this time nothing came
 
 
 def test_copies_that_differ_send_the_job_back_to_their_last_agreement_without_the_named_host():
@@ -417,6 +438,7 @@ def test_a_hang_that_names_nobody_waits_three_times_as_long(tmp_path):
     watch.on_poll(view)
     assert watch.hung() is None  # past 5 s, not yet 15 s
     clock.t = 15.5
+    watch.on_poll(view)
     watch.on_poll(view)
     found = watch.hung()
     assert found is not None and found.host is None and found.threshold == 5.0
