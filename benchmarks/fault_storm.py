@@ -6,7 +6,7 @@ against a fault-free run of the same job.
 
 Faults (`plan_storm`, from the seed alone, so a failure replays with the same faults at the same
 steps; when each lands within its step still depends on timing):
-- in the controller's hands (`--chaos`, orchestrator/chaos.py): one host killed; two at once (host 0
+- in the controller's hands (`--chaos`, orchestrator/chaos/): one host killed; two at once (host 0
   among them half the time); a host killed while its group saves, starts (before joining
   jax.distributed), compiles or restores; a host added while a recovery's group starts; a host's
   process frozen with SIGSTOP (found by the poll timeout, not by Ray); and those the health loop

@@ -1,6 +1,6 @@
 """What watches a job is a callback: the controller tells its callbacks of every transition, host
 report, event and poll, and they keep the run summary, the goodput ledger, the fleet store, Ray's
-metrics and the terminal (telemetry/), or inject faults (orchestrator/chaos.py). Each reads the job
+metrics and the terminal (telemetry/), or inject faults (orchestrator/chaos/). Each reads the job
 through a `ControllerView`; none of them changes what the controller decides.
 
 Example: a callback that prints every host loss.

@@ -85,7 +85,7 @@ class ControllerCallback:
     def on_end(self, view) -> None:
         """`run()` ends, in any way."""
 
-    # -- where fault injection reaches in (orchestrator/chaos.py); nothing elsewhere uses these ---------
+    # -- where fault injection reaches in (orchestrator/chaos/); nothing elsewhere uses these ---------
     def test_hooks(self, view, hosts: int) -> dict[int, HookRef]:
         """Hooks to attach to hosts of a group about to start: host index -> hook."""
         return {}

@@ -58,7 +58,7 @@ class SegmentSpec:
     job: str = ""  # the job's name, for labels
     model_flops: float | None = None  # of one step (step_flops), counted once by the controller; None: count here
     options: dict = dataclasses.field(default_factory=dict)  # the job file's [options], for a program factory
-    test_hook: HookRef | None = None  # fault injection on this host (orchestrator/chaos.py); None in real jobs
+    test_hook: HookRef | None = None  # fault injection on this host (orchestrator/chaos/); None in real jobs
     # The group's slices and this host's among them, slice-major (TPU multi-slice: libtpu joins
     # the slices over the data-center network by the MEGASCALE_* variables set from these).
     slices: int = 1

@@ -81,7 +81,7 @@ def closing(hooks: Sequence[Hook]):
 
 
 class FaultHook:
-    """Where tests inject faults into a segment (orchestrator/chaos.py implements one); here it does
+    """Where tests inject faults into a segment (orchestrator/chaos/ implements one); here it does
         nothing. A segment calls it as each phase begins, before each save, after each batch and after
     each step's dispatch."""
 

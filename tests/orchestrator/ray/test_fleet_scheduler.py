@@ -115,7 +115,7 @@ def test_a_host_given_back_as_suspect_is_held_from_every_job_until_its_probe_pas
         env = cluster.host_env()
         suspect = {  # as a job's health loop hands them back: a straggler still 4x slow, a host now healthy
             slow: {"why": "straggler at step 24", "env": env,
-                   "hook": {"factory": "orchestrator.chaos:HostFaults", "args": {"slow_step": [0, 4.0]}}},
+                   "hook": {"factory": "orchestrator.chaos.host:HostFaults", "args": {"slow_step": [0, 4.0]}}},
             mended: {"why": "hung at step 30", "env": env, "hook": None},
         }  # fmt: skip
         ray.get(fleet.release.remote("low-1", [slow, mended], suspect))
