@@ -91,7 +91,10 @@ class ChaosCallback(ControllerCallback):
 
     def on_event(self, view, event) -> None:
         found = {EventKind.HANG: ("hang",), EventKind.CORRUPTION: ("flip", "flip-grad")}.get(event.kind, ())
-        due = [f for kind in found for f in self.injector.pending(kind) if f.step <= (event.step or 0) + 1]
+        # A hang's step is the one hung, past the step reached where the step before it was never
+        # read back (it is, only once the hung step is dispatched).
+        step = event.fields.get("evidence", {}).get("step", event.step) if event.kind == EventKind.HANG else event.step
+        due = [f for kind in found for f in self.injector.pending(kind) if f.step <= (step or 0) + 1]
         for fault in due:  # found: not in the next group
             self.print(f"chaos {fault}: found ({event.kind}, {event.fields.get('action')})")
             if not (fault.kind == "flip-grad" and fault.factor == 0):  # (a bad host's fault comes back)

@@ -45,6 +45,7 @@ class Hung:
 
     def evidence(self) -> dict:
         return {
+            "step": self.step,
             "waited_seconds": round(self.waited, 3),
             "threshold_seconds": round(self.threshold, 3),
             "loops": [p and {"step": p["step"], "where": p["where"]} for p in self.progress],

@@ -91,6 +91,19 @@ def test_hang_and_flip_parse():
             parse_chaos(bad)
 
 
+def test_a_hang_is_found_at_the_step_it_hung_not_the_step_reached():
+    # hang@18 hangs as step 18 is dispatched, before step 17 is read back: the group reached 16.
+    # Counted as found only at the hung step's event, the fault hung the next group's host too.
+    from orchestrator.chaos import ChaosCallback
+    from orchestrator.protocol import Event, EventKind
+
+    (hang,) = parse_chaos("hang@18:0")
+    chaos = ChaosCallback((hang,), printer=lambda line: None, hosts=object())
+    evidence = {"step": 18, "loops": [{"step": 18, "where": "dispatching"}, {"step": 18, "where": "dispatched"}]}
+    chaos.on_event(None, Event(EventKind.HANG, 16, 0.0, 0.0, {"action": "excluded", "evidence": evidence}))
+    assert chaos.injector.pending("hang") == []
+
+
 def test_jitter_and_stall_parse():
     stall, jitter = parse_chaos("jitter@10x0.2,stall@150:1x5")[::-1]
     assert jitter == Fault("jitter", 10, (), 0.2) and stall == Fault("stall", 150, (1,), 5.0)
