@@ -29,6 +29,7 @@ class HostFaults(FaultHook):
         self.hang_before_save, self.slow_input_from = hang_before_save, slow_input_from
         self.slow_step = slow_step  # (from step, factor)
         self._step_work: float | None = None  # a healthy step's seconds, read once the slowness begins
+        self._stepped = False  # past the group's first step (a hook is made for each group)
 
     def entering(self, phase: str) -> None:
         if phase == self.hang_in:
@@ -78,14 +79,17 @@ class HostFaults(FaultHook):
         return state
 
     def step_work(self, step: int, read_back) -> None:
-        """From the slow step on, this host finishes each step's work (F - 1) healthy steps'
-        time late: the others wait for it in the next step's collectives. Jitter adds a random
-        share of a healthy step; a stall, seconds once."""
+        """From the slow step on (a group's first step left out), this host finishes each step's
+        work (F - 1) healthy steps' time late: the others wait for it in the next step's
+        collectives. Jitter adds a random share of a healthy step; a stall, seconds once."""
         extra = 0.0
         if self.stall is not None and step == self.stall[0]:
             time.sleep(self.stall[1])
+        first, self._stepped = not self._stepped, True
         for fault, share in ((self.slow_step, lambda f: f - 1), (self.jitter, lambda f: random.uniform(0, 2 * f))):
-            if fault is not None and step >= fault[0]:
+            # Not from a group's first step: its time is also the restore's and the wait for peers
+            # still starting, so read as a healthy step's it would slow the host many times over.
+            if fault is not None and step >= fault[0] and not first:
                 if self._step_work is None:
                     self._step_work = read_back()  # (the first such step's own time: it begins after it)
                 extra += share(fault[1]) * self._step_work
