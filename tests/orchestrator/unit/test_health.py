@@ -132,6 +132,23 @@ def test_staying_is_kept_where_it_is_predicted_faster_and_warn_only_warns():
         assert decision.fields["action"] == "warned" and quarantine.alive_hosts() == list(NODES)
 
 
+def test_a_straggler_named_while_a_grow_waits_for_its_boundary_is_set_aside_at_once():
+    # A group of 3 with a host added, to grow onto at the next checkpoint: the straggler named
+    # before that boundary is not dropped (the watch judges afresh after naming).
+    watch, view = StragglerWatch(), _view(3)
+    for step in range(2, 12):
+        _feed(watch, view, step, {0: 0.4, 1: 0.4, 2: 1.2} if step > 5 else {h: 0.4 for h in range(3)})
+    quarantine = Quarantine(_Cluster())
+    scaling = HealthyScaling(policies.ScalingPolicy(2, 4), watch, quarantine, lambda d: 1.0 / d, 2)
+    grow = policies.Resize(4, "1 more host(s) available", EventKind.HOST_ADDED)
+    running = dataclasses.replace(_running(3), target=4, resize=grow)
+    decision = scaling.while_running(view, running, quarantine.alive_hosts)
+    assert isinstance(decision, policies.Resize) and decision.at_once, decision
+    assert decision.event == EventKind.STRAGGLER and decision.fields["node"] == "n2"
+    assert decision.hosts == 3  # the grow still happens, without the straggler
+    assert quarantine.placement(3) == ["n0", "n1", "n3"]
+
+
 def test_no_exclusion_below_the_jobs_minimum():
     watch, quarantine = _named_watch("act"), Quarantine(_Cluster())
     scaling = HealthyScaling(policies.ScalingPolicy(4, 4), watch, quarantine, lambda d: 1.0 / d, 4)
