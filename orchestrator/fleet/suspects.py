@@ -59,4 +59,5 @@ class Suspects:
 def _let_go(h: _Held) -> None:
     import ray
 
+    h.probation.stop()
     ray.util.remove_placement_group(h.reservation)

@@ -5,9 +5,9 @@ The job's health loop keeps a straggler on probation, the fleet scheduler a host
 as suspect.
 
 The work is a jitted matmul loop on the host's first device, in a fresh process on that node
-(a Ray task pinned to it, with the hosts' environment): no collective, so what it times is the
-host's own speed. Asked without waiting (`start`), read when done (`result`): the controller's
-loop polls on meanwhile.
+(a Ray actor pinned to it, with the hosts' environment): no collective, so what it times is the
+host's own speed. Both sides, once started and compiled, time rounds of it in turns. Asked
+without waiting (`start`), read when done (`result`): the controller's loop polls on meanwhile.
 """
 
 from __future__ import annotations
@@ -23,39 +23,56 @@ from ..protocol import HookRef
 SIZE, ROUNDS, ROUND_S = 1024, 5, 0.05
 
 
-def _work() -> float:
-    """Seconds a matmul of SIZE x SIZE takes on this process's first device: the fastest of
-    ROUNDS rounds (a moment's contention is not the host's speed), each of as many matmuls as
-    take ROUND_S or more (a device that computes one in microseconds is timed, not its dispatch).
-    A wrong answer (the sum of a product of ones is SIZE**3, exact in float32) is an infinite time:
-    a host whose device computes wrongly never passes."""
-    import jax
-    import jax.numpy as jnp
+class _Work:
+    """A jitted matmul of SIZE x SIZE on this process's first device, compiled and sized when made:
+    a round is as many matmuls as take ROUND_S or more (a device that computes one in
+    microseconds is timed, not its dispatch)."""
 
-    x = jnp.ones((SIZE, SIZE), jnp.float32)
-    f = jax.jit(lambda a: (a @ a).sum())
-    answers, repeats, timed = [f(x).block_until_ready()], 1, []
-    while len(timed) < ROUNDS:  # (bounded: `repeats` doubles at most 12 times)
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        self.x = jnp.ones((SIZE, SIZE), jnp.float32)
+        self.f = jax.jit(lambda a: (a @ a).sum())
+        self.f(self.x).block_until_ready()
+        self.repeats = 1
+        while self.round() * self.repeats < ROUND_S and self.repeats < 4096:  # (doubles at most 12 times)
+            self.repeats *= 2
+
+    def round(self) -> float:
+        """A matmul's seconds over one round; a wrong answer (the sum of a product of ones is
+        SIZE**3, exact in float32) is an infinite time: a host whose device computes wrongly never
+        passes."""
+        import jax
+
         t = time.perf_counter()
-        answers += jax.block_until_ready([f(x) for _ in range(repeats)])
-        took = time.perf_counter() - t
-        if took < ROUND_S and repeats < 4096:
-            repeats *= 2
-        else:
-            timed.append(took / repeats)
-    best = min(timed)
-    return best if all(float(a) == SIZE**3 for a in answers) else float("inf")
+        answers = jax.block_until_ready([self.f(self.x) for _ in range(self.repeats)])
+        took = (time.perf_counter() - t) / self.repeats
+        return took if all(float(a) == SIZE**3 for a in answers) else float("inf")
 
 
-def _probe(hook: HookRef | None) -> float:
-    """The work's seconds, and nothing else of the task (its process start and JAX's import are
-    no measure of the device)."""
-    from ..worker.hooks import load_fault_hook
+class _Prober:
+    """One side of a probe, in a fresh process on its node: `ready` imports JAX and compiles and
+    sizes the work; `round` times one round of it, after the `after` refs (the other side's
+    round before it) are done. The two sides take turns, so that neither is timed while the
+    other computes: on hosts sharing a machine, two sides timed at once measured a healthy host
+    at 0.47x to 2.2x its peer."""
 
-    seconds = _work()
-    t = time.perf_counter()
-    load_fault_hook(hook, lambda report: None).probe_work(seconds)  # (fault injection: a slow node's probe)
-    return seconds + (time.perf_counter() - t)
+    def __init__(self, hook: HookRef | None):
+        self.hook, self.work = hook, None
+
+    def ready(self) -> bool:
+        self.work = _Work()
+        return True
+
+    def round(self, *after) -> float:
+        """A matmul's seconds in one round (with fault injection's slowness, where the hook asks)."""
+        from ..worker.hooks import load_fault_hook
+
+        seconds = self.work.round()
+        t = time.perf_counter()
+        load_fault_hook(self.hook, lambda report: None).probe_work(seconds)  # (a slow node's probe)
+        return seconds + (time.perf_counter() - t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +93,8 @@ class ProbeConfig:
 class Probing:
     node: str
     reference: str
-    refs: tuple  # (the node's, the reference's)
+    sides: tuple  # the `_Prober` actors: (the node's, the reference's)
+    rounds: tuple  # each side's rounds' refs: (the node's, the reference's), taken in turns
 
 
 class HostProbe:
@@ -100,28 +118,43 @@ class HostProbe:
     def start(self, node: str, reference: str) -> Probing:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = ray.remote(num_cpus=0, max_retries=0)(_probe)
-        refs = tuple(
-            task.options(
+        prober = ray.remote(num_cpus=0, max_restarts=0)(_Prober)
+        sides = tuple(
+            prober.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False),
                 runtime_env={"env_vars": dict(self.env)},
             ).remote(self.hook(n))  # fmt: skip
             for n in (node, reference)
         )
-        return Probing(node, reference, refs)
+        # The rounds in turns, chained by their refs (Ray runs a call once its arguments are
+        # done): the node's first round once both sides are ready, then the reference's, and so on.
+        before, mine, theirs = tuple(side.ready.remote() for side in sides), [], []
+        for _ in range(ROUNDS):
+            mine.append(sides[0].round.remote(*before))
+            theirs.append(sides[1].round.remote(mine[-1]))
+            before = (theirs[-1],)
+        return Probing(node, reference, sides, (tuple(mine), tuple(theirs)))
 
     @staticmethod
     def result(probing: Probing) -> float | None | bool:
-        """The node's time over the reference's once both are done; False while they run; None
-        where a probe failed (the node gone: it stays set aside)."""
-        ready, _ = ray.wait(list(probing.refs), num_returns=2, timeout=0)
-        if len(ready) < 2:
+        """The node's fastest round over the reference's (a moment's contention is not a host's
+        speed) once every round is done; False until then; None where a side failed (the node
+        gone: it stays set aside)."""
+        last = probing.rounds[1][-1]
+        if not ray.wait([last], timeout=0)[0]:
             return False
         try:
-            mine, theirs = ray.get(list(probing.refs))
+            mine, theirs = (ray.get(list(refs)) for refs in probing.rounds)
         except ray.exceptions.RayError:
-            return None
-        return mine / max(theirs, 1e-9)
+            mine = theirs = None
+        HostProbe.stop(probing)
+        return None if mine is None else min(mine) / max(min(theirs), 1e-9)
+
+    @staticmethod
+    def stop(probing: Probing) -> None:
+        """Ends both sides' processes (done, failed, or no longer wanted)."""
+        for side in probing.sides:
+            ray.kill(side)
 
 
 @dataclasses.dataclass
@@ -142,6 +175,12 @@ class Probation:
     def begin(cls, node: str, config: ProbeConfig, now: float, wait_s: float | None = None) -> Probation:
         wait_s = config.first_after_s if wait_s is None else wait_s
         return cls(node, config, now + wait_s, wait_s)
+
+    def stop(self) -> None:
+        """A probe under way ended: the host is let go without it."""
+        if self.probing is not None:
+            HostProbe.stop(self.probing)
+            self.probing = None
 
     def poll(self, probe: HostProbe, now: float, reference: str | None) -> bool | None:
         """Starts a probe when due (beside `reference`, where there is one) and reads it when done,
