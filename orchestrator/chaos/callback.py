@@ -63,15 +63,17 @@ class ChaosCallback(ControllerCallback):
     def _on_nodes(self, view, kind: str, value) -> dict:
         """{its node's index in the group starting now: `value(fault)`} for the pending faults of
         `kind`, which follow their node: host H of the group that reaches the fault's step (until
-        then, host H of each group), in every group it is in after."""
+        then, host H of each group), in every group it is in after. A host carries one fault of a
+        kind: one bound to its node before one not yet bound (whose host H is only provisional),
+        else the earliest."""
         nodes = list(view.group.node_ids)
         out = {}
-        for fault in self.injector.pending(kind):
+        for fault in sorted(self.injector.pending(kind), key=lambda f: (f not in self._nodes, f.step)):
             node = self._nodes.get(fault)
             if node is None:
-                out[fault.host_in(len(nodes))] = value(fault)
+                out.setdefault(fault.host_in(len(nodes)), value(fault))
             elif node in nodes:
-                out[nodes.index(node)] = value(fault)
+                out.setdefault(nodes.index(node), value(fault))
         return out
 
     def _bind_nodes(self, view) -> None:

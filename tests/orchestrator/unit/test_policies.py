@@ -104,6 +104,22 @@ def test_a_hang_is_found_at_the_step_it_hung_not_the_step_reached():
     assert chaos.injector.pending("hang") == []
 
 
+def test_a_slow_step_bound_to_its_node_is_not_overwritten_by_a_later_one_on_the_same_host():
+    # slow-step@261 follows the node that was host 1 of the group at step 260; in the next group
+    # that node is host 2, which slow-step@321 (not bound yet) also names. The node is slow from
+    # 261, not from 321 (seen in a storm: the slow host was not slowed until step 321).
+    import types
+
+    from orchestrator.chaos import ChaosCallback
+
+    early, late = parse_chaos("slow-step@261:1x3,slow-step@321:2x3")
+    chaos = ChaosCallback((early, late), printer=lambda line: None)
+    before = types.SimpleNamespace(group=types.SimpleNamespace(node_ids=("a", "b", "c"), size=3), step_reached=260)
+    chaos._bind_nodes(before)
+    after = types.SimpleNamespace(group=types.SimpleNamespace(node_ids=("a", "c", "b", "d"), size=4))
+    assert chaos._on_nodes(after, "slow-step", lambda f: f.step) == {2: 261}
+
+
 def test_jitter_and_stall_parse():
     stall, jitter = parse_chaos("jitter@10x0.2,stall@150:1x5")[::-1]
     assert jitter == Fault("jitter", 10, (), 0.2) and stall == Fault("stall", 150, (1,), 5.0)
