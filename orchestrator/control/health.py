@@ -97,7 +97,9 @@ class HealthyScaling(policies.Scaling):
         if taken is not None:
             return taken
         found = self.watch.named()
-        if found is None:  # (named while a resize waits for its boundary: acted on all the same)
+        # Named while a resize waits for its boundary: acted on all the same, unless the resize is
+        # this host's own exclusion (named again before the group stopped).
+        if found is None or found.node in self.quarantine.excluded:
             return self.inner.while_running(view, state, alive)
         decided = self._decide(view, state, found)
         fields = {"host": found.host, "node": found.node, "evidence": found.evidence(), "action": decided.action,

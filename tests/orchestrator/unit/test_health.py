@@ -147,6 +147,10 @@ def test_a_straggler_named_while_a_grow_waits_for_its_boundary_is_set_aside_at_o
     assert decision.event == EventKind.STRAGGLER and decision.fields["node"] == "n2"
     assert decision.hosts == 3  # the grow still happens, without the straggler
     assert quarantine.placement(3) == ["n0", "n1", "n3"]
+    for step in range(12, 20):  # named again before the group stops: excluded once
+        _feed(watch, view, step, {0: 0.4, 1: 0.4, 2: 1.2})
+    again = scaling.while_running(view, dataclasses.replace(running, target=3, resize=decision), quarantine.alive_hosts)
+    assert not isinstance(again, policies.Resize), again
 
 
 def test_no_exclusion_below_the_jobs_minimum():
