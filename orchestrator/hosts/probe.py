@@ -59,19 +59,19 @@ class _Prober:
     at 0.47x to 2.2x its peer."""
 
     def __init__(self, hook: HookRef | None):
-        self.hook, self.work = hook, None
+        self.hook, self.work, self.fault = hook, None, None
 
     def ready(self) -> bool:
-        self.work = _Work()
+        from ..worker.hooks import load_fault_hook
+
+        self.work, self.fault = _Work(), load_fault_hook(self.hook, lambda report: None)
         return True
 
     def round(self, *after) -> float:
         """A matmul's seconds in one round (with fault injection's slowness, where the hook asks)."""
-        from ..worker.hooks import load_fault_hook
-
         seconds = self.work.round()
         t = time.perf_counter()
-        load_fault_hook(self.hook, lambda report: None).probe_work(seconds)  # (a slow node's probe)
+        self.fault.probe_work(seconds)  # (a slow node's probe)
         return seconds + (time.perf_counter() - t)
 
 

@@ -98,9 +98,8 @@ def test_a_hang_is_found_at_the_step_it_hung_not_the_step_reached():
     from orchestrator.protocol import Event, EventKind
 
     (hang,) = parse_chaos("hang@18:0")
-    chaos = ChaosCallback((hang,), printer=lambda line: None, hosts=object())
-    evidence = {"step": 18, "loops": [{"step": 18, "where": "dispatching"}, {"step": 18, "where": "dispatched"}]}
-    chaos.on_event(None, Event(EventKind.HANG, 16, 0.0, 0.0, {"action": "excluded", "evidence": evidence}))
+    chaos = ChaosCallback((hang,), printer=lambda line: None)
+    chaos.on_event(None, Event(EventKind.HANG, 16, 0.0, 0.0, {"action": "excluded", "evidence": {"step": 18}}))
     assert chaos.injector.pending("hang") == []
 
 
