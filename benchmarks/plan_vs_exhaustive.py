@@ -71,7 +71,7 @@ def space(inputs):
                 continue
             out.append(candidates.priced(inputs, candidates.Tactic("split"), mesh, {**batch, **tp}, hw, batch))
             if d > 1:
-                fsdp = tactics.add_fsdp(g, tp, analysis.state_values(inputs), d)
+                fsdp = tactics.add_fsdp(inputs, tp, analysis.state_values(inputs), d)
                 out.append(
                     candidates.priced(inputs, candidates.Tactic("split", fsdp=True), mesh, {**batch, **fsdp}, hw, batch)
                 )

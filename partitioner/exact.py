@@ -202,7 +202,10 @@ def _solve_mesh(inputs: Inputs, mesh: dict[str, int], hw: Hardware, limit: int, 
             tp = {w.value: c.annotations[w.value] for w in found if w.value in c.annotations}
             plans.append(
                 TacticPlan(
-                    dataclasses.replace(name, fsdp=True), mesh, {**batch, **add_fsdp(g, tp, state, mesh["data"])}, batch
+                    dataclasses.replace(name, fsdp=True),
+                    mesh,
+                    {**batch, **add_fsdp(inputs, tp, state, mesh["data"])},
+                    batch,
                 )
             )
         out += priced_each(inputs, plans, hw)

@@ -76,7 +76,7 @@ def _refine(inputs: Inputs, start: Candidate, hw: Hardware, limit: int, fsdp: bo
     chosen = {v: sh for v, sh in chosen.items() if any(sh)}
 
     def annotated(tp):
-        return {**batch, **(add_fsdp(g, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp)}
+        return {**batch, **(add_fsdp(inputs, tp, state, mesh["data"]) if fsdp and mesh["data"] > 1 else tp)}
 
     # The start read back is most often the start itself, already priced.
     same = mirror_optimizer_state(inputs, annotated(chosen)) == start.annotations

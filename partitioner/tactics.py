@@ -35,7 +35,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 
-from .analysis import MATMULS, Inputs, Weight, experts, split_over, state_values, weights_in_order
+from .analysis import (
+    MATMULS,
+    Inputs,
+    Weight,
+    experts,
+    mirror_optimizer_state,
+    split_over,
+    state_values,
+    weights_in_order,
+)
 from .candidates import Candidate, Tactic, TacticPlan, priced_each
 from .fsdp import AXIS as FSDP_AXIS
 from .fsdp import fsdp_dim
@@ -100,14 +109,14 @@ def tactic_plans(inputs: Inputs, mesh: dict[str, int]) -> list[TacticPlan]:
         tp = _megatron(inputs, mesh)
         plans[Tactic("megatron", sequence=seq)] = {**batch, **tp}
         if mesh["data"] > 1:
-            plans[Tactic("megatron", True, seq)] = {**batch, **add_fsdp(g, tp, state, mesh["data"])}
+            plans[Tactic("megatron", True, seq)] = {**batch, **add_fsdp(inputs, tp, state, mesh["data"])}
         ep = experts(inputs, mesh)
         if ep:
             plans[Tactic("expert", sequence=seq)] = {**batch, **ep}
             em = _megatron(inputs, mesh, preset=ep)
             plans[Tactic("expert+megatron", sequence=seq)] = {**batch, **em}
             if mesh["data"] > 1:
-                plans[Tactic("expert+megatron", True, seq)] = {**batch, **add_fsdp(g, em, state, mesh["data"])}
+                plans[Tactic("expert+megatron", True, seq)] = {**batch, **add_fsdp(inputs, em, state, mesh["data"])}
     if mesh.get("replica", 1) > 1:  # without FSDP, replica x data is the data axis of their product
         plans = {k: v for k, v in plans.items() if k.shards_state}
     return [
@@ -124,8 +133,12 @@ def fsdp(shape, d: int) -> Sharding | None:
     return None if i is None else split_over(shape, i, FSDP_AXIS)
 
 
-def add_fsdp(g: Graph, tp: Mapping[int, Sharding], state: list[int], d: int) -> dict[int, Sharding]:
-    """`tp` with every state leaf also sharded FSDP over `d`, on a dimension `tp` leaves whole."""
+def add_fsdp(inputs: Inputs, tp: Mapping[int, Sharding], state: list[int], d: int) -> dict[int, Sharding]:
+    """`tp` with every state leaf also sharded FSDP over `d`, on a dimension `tp` leaves whole.
+    Optimizer state takes its parameter's `tp` split first, so that it is split as its parameter
+    is (FSDP's dimension chosen alike): else its parameter's Megatron split would be lost on it."""
+    g = inputs.graph
+    tp = mirror_optimizer_state(inputs, tp)
     out = dict(tp)
     for v in state:
         shape = g.values[v].shape
