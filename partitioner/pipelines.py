@@ -1,18 +1,24 @@
 """Pipelines as candidates (Rhino chooses them; no JAX system does): for a step with a layer scan
 (`layerscan`), each stage count whose stages sit across the slowest links the devices have
-(slices, else hosts) gets the best plan for one stage's devices (a search of its own), composed
-with the stage axis and priced for each microbatch count and circular repeats:
+(slices, else hosts) gets the plans for one stage's devices (a search of its own: its best, and
+the best of each other tactic, as a stage that must hold its layers' weights gathered may need
+Megatron's split of them more than the fastest plan), each composed with the stage axis and priced
+for each microbatch count, circular repeats, each stage's weights gathered once per step or per
+microbatch, and a stage rematerialised or not:
 
     the layers        their compute and their activations' collectives on one stage, over
                       R*M+S-1 ticks of one microbatch each (the bubble is (S-1)/(R*M+S-1));
-                      the weights' collectives once per step (each stage gathered once)
+                      the weights' collectives once per step (each stage gathered once), or at
+                      each tick for the layers the stage applies (gathered per microbatch)
     the rest          embedding, head and loss with the stage axis as data parallelism: their
                       work split S ways more, the non-stacked weights' gradients all-reduced
                       over the stage axis
     the sends         a microbatch's activations between neighbouring stages, forward and
-                      backward, on the link level the stage axis crosses
+                      backward, on the link level the stage axis crosses; with repeats, the
+                      stacked weights moved into their circular order and their gradients back
     memory            the stacked state and the layers' activations split S ways, a stage's
-                      weights gathered (else they stay split and are gathered per microbatch)
+                      weights gathered over the batch's axes and their gradients' sums beside
+                      them (gathered per microbatch: a layer's at a time, which the model leaves out)
 
 The pipelined plan is chosen where it is predicted cheaper than the best without one
 (`pipeline="auto"`), or asked for (`pipeline=N`); its notes say the bubble's share, what crosses
@@ -24,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -33,6 +39,7 @@ from .analysis import Inputs
 from .candidates import Candidate
 from .cost import Cost
 from .errors import PlanInputError, PlanMemoryError
+from .explain import to_plan
 from .guard import CLOSE, compiled_seconds
 from .hardware import Hardware, latency_steps
 from .layerscan import LayerScan, find_layer_scan
@@ -99,36 +106,52 @@ def stage_counts(asked, devices: int, slices: int, layers: int, hw: Hardware) ->
 class Priced:
     pipeline: Pipeline
     cost: Cost
-    inner: Plan
+    inner: Candidate  # one stage's plan
     sends: int  # bytes each device sends to the next stage per step
     level: str  # the link level the stage axis crosses
 
 
-def priced(scan: LayerScan, inner: Plan, best: Candidate, inputs: Inputs, stages: int, devices: int,
+# Remat (each stage's forward on a microbatch computed again in its backward pass) keeps a stage's
+# input per tick instead of every layer's, for one more forward pass of the layers: priced with
+# the weights gathered once (gathered per microbatch, it would gather them once more, unpriced).
+_FORMS = ((True, False), (False, False), (True, True))  # (gather_once, remat)
+
+
+def priced(scan: LayerScan, inner: Sequence[Candidate], inputs: Inputs, stages: int, devices: int,
            hw: Hardware, limit: int) -> Priced | None:  # fmt: skip
-    """The cheapest pipeline of `stages` over `inner` (one stage's plan, `best` its candidate)
+    """The cheapest pipeline of `stages` over one of `inner` (plans for one stage's devices)
     that fits in `limit`, or None."""
-    parts = _Parts.of(scan, inner, best, inputs)
     level = hw.level(devices)
     link = hw.link(devices)  # (the stage axis is outermost: its neighbours are a stage's devices apart)
-    # Remat (each stage's forward on a microbatch computed again in its backward pass) only where
-    # memory asks: it keeps a stage's input per tick instead of every layer's, for one more
-    # forward pass of the layers.
-    for remat in (False, True):
-        out = []
+    out = []
+    for candidate in inner:
+        parts = _Parts.of(scan, candidate, inputs)
         for repeats in [r for r in (1, 2, 4) if scan.length % (stages * r) == 0]:
             for m in _microbatch_counts(scan.batch, parts.batch_split, stages, repeats):
-                p = Pipeline(stages, m, repeats, layers=scan.length, remat=remat)
-                # Each stage's weights gathered once per step only: re-gathered per microbatch
-                # inside the loop, XLA's compile moves far more than this model prices (a 13B
-                # step on tpu-v5e: 125 GB across slices, 72 s, against 5.5 s predicted), so
-                # such a pipeline is not offered until it is priced right.
-                cost, sends = _cost(p, parts, link, hw)
-                if cost.peak_bytes_per_device <= limit:
-                    out.append(Priced(p, cost, inner, sends, level))
-        if out:
-            return min(out, key=lambda x: x.cost.total_seconds)
-    return None
+                for once, remat in _FORMS:
+                    p = Pipeline(stages, m, repeats, layers=scan.length, gather_once=once, remat=remat)
+                    cost, sends = _cost(p, parts, link, hw)
+                    if cost.peak_bytes_per_device <= limit:
+                        out.append(Priced(p, cost, candidate, sends, level))
+    return min(out, key=lambda x: x.cost.total_seconds, default=None)
+
+
+def cost_of(p: Pipeline, scan: LayerScan, inner: Candidate, inputs: Inputs, devices: int, hw: Hardware) -> Cost:
+    """Pipeline `p` over `inner` (one stage's plan) on `devices`, as the planner prices it: for a
+    plan written by hand, to set beside the planner's own."""
+    return _cost(p, _Parts.of(scan, inner, inputs), hw.link(devices), hw)[0]
+
+
+def stage_plans(inner: Plan, ranked: Sequence[Candidate]) -> list[Candidate]:
+    """The plans one stage's devices are priced with: the stage's best (`inner`) and the best of
+    each other tactic on all of them (those on fewer devices left out)."""
+    devices = math.prod(inner.mesh.values())
+    whole = [c for c in ranked if math.prod(c.mesh.values()) == devices]
+    best = next((c for c in whole if str(c.tactic) == inner.tactic and _same_mesh(c.mesh, inner.mesh)), None)
+    out = {str(best.tactic): best} if best is not None else {}
+    for c in whole:
+        out.setdefault(str(c.tactic), c)
+    return list(out.values()) or list(ranked[:1])
 
 
 def _microbatch_counts(batch: int, split: int, stages: int, repeats: int) -> list[int]:
@@ -139,7 +162,7 @@ def _microbatch_counts(batch: int, split: int, stages: int, repeats: int) -> lis
 
 @dataclasses.dataclass(frozen=True)
 class _Parts:
-    """The inner plan's prediction split into the layer scan's part and the rest."""
+    """One stage's plan's prediction split into the layer scan's part and the rest."""
 
     layer_flops: float  # share of the FLOPs inside the layer scan
     forward_flops: float  # share the layers' forward pass adds, computed again (remat)
@@ -151,7 +174,8 @@ class _Parts:
     grad_bytes: int  # per device: the non-stacked weights' gradients (all-reduced over stages)
     state_bytes: int  # per device: the state as the inner plan lays it out
     stacked_bytes: int  # per device: the stacked part of it
-    stacked_param_bytes: int  # the stacked weights whole (a stage gathers its share of them)
+    weight_bytes: int  # per device: the stacked weights as the plan lays them out
+    gathered_bytes: int  # per device: the stacked weights gathered over the batch's axes (a stage holds its share)
     carry_bytes: int  # per example, per device of the batch's split (a split sequence divides it)
     batch: int
     batch_split: int  # devices the batch dimension is split over inside a stage
@@ -162,8 +186,8 @@ class _Parts:
         return self.carry_bytes * max(self.batch // microbatches // self.batch_split, 1)
 
     @classmethod
-    def of(cls, scan: LayerScan, inner: Plan, best: Candidate, inputs: Inputs) -> _Parts:
-        g, prop = inputs.graph, best.propagation
+    def of(cls, scan: LayerScan, inner: Candidate, inputs: Inputs) -> _Parts:
+        g, prop = inputs.graph, inner.propagation
         layer = sum(op.flops * op.trips for op in g.ops if op.body is None and op.trips == scan.length)
         comm = _communication_shares(scan, inputs, prop)
         seconds = {k: inner.cost.communication_seconds * v for k, v in comm.items()}
@@ -175,9 +199,13 @@ class _Parts:
         )
         state = {v: per_device(v) for v in inputs.state_values}
         stacked = sum(b for v, b in state.items() if g.values[v].shape[:1] == (scan.length,))
-        layout = inner.layer_scan
-        split = lambda dims: math.prod(inner.mesh.get(a, 1) for d in dims for a in layout.axes(d))  # noqa: E731
-        others = split(range(1, len(layout.carry)))  # (a split sequence)
+        first = inputs.batch_values[0]  # (the layer scan's carry is laid out as the batch's first leaf)
+        carry = prop.of(first, len(g.values[first].shape))
+        split = lambda dims: math.prod(prop.mesh[a] for d in dims for a in carry[d])  # noqa: E731
+        others = split(range(1, len(carry)))  # (a split sequence)
+        over_batch = lambda v: math.prod(  # noqa: E731 (how many ways the batch's axes split a weight)
+            prop.mesh[a] for axes in prop.of(v, len(g.values[v].shape)) for a in axes if a in carry[0]
+        )
         return cls(
             layer_flops=min(layer / max(g.flops(), 1.0), 1.0),
             forward_flops=min(scan.length * scan.layer_flops / max(g.flops(), 1.0), 1.0),
@@ -189,7 +217,8 @@ class _Parts:
             grad_bytes=sum(per_device(w.value) for w in inputs.weights if not w.stacked),
             state_bytes=sum(state.values()),
             stacked_bytes=stacked,
-            stacked_param_bytes=sum(g.values[w.value].nbytes for w in inputs.weights if w.stacked),
+            weight_bytes=sum(per_device(w.value) for w in inputs.weights if w.stacked),
+            gathered_bytes=sum(per_device(w.value) * over_batch(w.value) for w in inputs.weights if w.stacked),
             carry_bytes=scan.carry_bytes_per_example // max(others, 1),
             batch=scan.batch,
             batch_split=split([0]),
@@ -220,19 +249,27 @@ def _cost(p: Pipeline, parts: _Parts, link, hw: Hardware) -> tuple[Cost, int]:
     stretch = p.ticks / (R * M)  # the layers' time with the bubble
     layers = parts.layer_flops + (parts.forward_flops if p.remat else 0.0)
     spread = lambda t: t * layers / S * stretch + t * (1 - parts.layer_flops) / S  # noqa: E731
-    weights = parts.weight_comm / S * (1 if p.gather_once else R * M)
+    # Gathered once, a stage's layers' weights move once per step; per microbatch, the layers a
+    # stage applies at each tick gather theirs again, bubble ticks included.
+    weights = parts.weight_comm / S * (1 if p.gather_once else p.ticks / R)
     grads = 2 * (S - 1) / S * parts.grad_bytes / link.bandwidth + latency_steps("all-reduce", S) * link.latency
     microbatch = parts.microbatch_bytes(M)
     sends = 2 * p.ticks * microbatch  # forward and backward, one microbatch a tick
     comm = parts.layer_activation_comm / S * stretch + weights + parts.rest_comm + grads
     comm += 2 * p.ticks * link.latency + sends / link.bandwidth
+    if R > 1:
+        # A stage holds a contiguous block of layers (the checkpoint's `[layers, ...]` split by
+        # stage), and its repeats are every S-th block of L / (S * R): the program moves the
+        # weights into that order each step, and their gradients back, over the stage axis.
+        moved = parts.weight_bytes / S * (S - 1) / S
+        comm += 2 * (moved / link.bandwidth + latency_steps("all-to-all", S) * link.latency)
     # Memory: the state, its stacked part split by stage; a stage's weights gathered and the sum
     # of their gradients beside them; what each tick keeps for the backward pass (each of the
     # stage's layers' input, for one microbatch; with remat the stage's input alone, and one
     # stage's layers computed again at a time); the rest of the inner plan's activations split
     # as the batch is, S ways more; the microbatches held and circulating.
     state = parts.state_bytes - parts.stacked_bytes + parts.stacked_bytes / S
-    gathered = 2 * parts.stacked_param_bytes / S if p.gather_once else 0
+    gathered = 2 * parts.gathered_bytes / S if p.gather_once else 0
     per_stage = p.layers // (S * R)
     kept = (p.ticks + per_stage) * microbatch if p.remat else p.ticks * per_stage * microbatch
     activations = max(parts.peak - parts.state_bytes, 0) / S
@@ -318,15 +355,15 @@ def considered(
     counts, moved = stage_counts(asked, devices, slices, scan.length, hw)
     if not counts:
         return _noted(flat, moved) if moved else flat
-    options = []
+    options, searched = [], {}
     for s in counts:
+        stage = (devices // s, slices // s if slices % s == 0 else 1)
         try:
-            inner, ranked = inner_search(devices // s, slices // s if slices % s == 0 else 1)
+            inner, ranked = inner_search(*stage)
         except (PlanInputError, PlanMemoryError):  # one stage's devices hold no plan: not this count
             continue
-        inner = dataclasses.replace(inner, layer_scan=scan_layout(inner, scan, inputs.batch_argnums))
-        best = next((c for c in ranked if str(c.tactic) == inner.tactic and _same_mesh(c.mesh, inner.mesh)), ranked[0])
-        got = priced(scan, inner, best, inputs, s, devices, hw, limit)
+        searched[s] = (inner, ranked, stage)
+        got = priced(scan, stage_plans(inner, ranked), inputs, s, devices, hw, limit)
         if got is not None:
             options.append(got)
     chosen = min(options, key=lambda x: x.cost.total_seconds, default=None)
@@ -336,11 +373,15 @@ def considered(
                 f"pipeline={asked}: no pipeline of {counts[0]} stages fits {limit / 2**30:.2f} GiB per device"
             )
         tried = " or ".join(str(s) for s in counts)
-        return _noted(flat, f"no pipeline: none of {tried} stages fits {limit / 2**30:.2f} GiB per device with each "
-                            "stage's weights gathered once, its stages rematerialised or not")  # fmt: skip
+        return _noted(flat, f"no pipeline: none of {tried} stages fits {limit / 2**30:.2f} GiB per device, each "
+                            "stage's weights gathered once or per microbatch, its stages rematerialised or not")  # fmt: skip
     timing = tuple(n for n in flat.notes if n.startswith("time:"))
     notes = notes_for(chosen, flat, hw) + ((moved,) if moved else ()) + timing
-    piped = composed(chosen.inner, chosen, scan, args, inputs.batch_argnums, devices, slices, notes)
+    inner = _stage_plan(
+        chosen.inner, *searched[chosen.pipeline.stages], inputs, args, hw, limit * chosen.pipeline.stages
+    )
+    inner = dataclasses.replace(inner, layer_scan=scan_layout(inner, scan, inputs.batch_argnums))
+    piped = composed(inner, chosen, scan, args, inputs.batch_argnums, devices, slices, notes)
     if asked != "auto":
         return piped
     ratio = chosen.cost.total_seconds / flat.cost.total_seconds
@@ -354,6 +395,15 @@ def considered(
             f"no pipeline: the best ({chosen.pipeline.describe()}) is predicted {chosen.cost.total_seconds * 1e3:.4g} ms, "
             f"{ratio:.2f}x this plan"))  # fmt: skip
     return piped
+
+
+def _stage_plan(candidate: Candidate, best: Plan, ranked, stage: tuple[int, int], inputs: Inputs, args,
+                hw: Hardware, limit: int) -> Plan:  # fmt: skip
+    """The plan of one stage's devices the pipeline was priced with: the stage's best as its
+    search made it, or another of its candidates made a plan."""
+    if str(candidate.tactic) == best.tactic and _same_mesh(candidate.mesh, best.mesh):
+        return best
+    return to_plan(inputs, candidate, args, stage[0], 0.0, ranked, limit, hw.sliced(*stage))
 
 
 def _noted(plan: Plan, note: str) -> Plan:

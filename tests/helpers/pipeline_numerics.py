@@ -1,6 +1,6 @@
 """`plan.program(step)` pipelined against the plain step, for one scanned corpus model at a small
-size: `python -m tests.helpers.pipeline_numerics MODEL STAGES:MICROBATCHES[:REPEATS][r] ...` (`r`: each
-stage rematerialised) prints a JSON
+size: `python -m tests.helpers.pipeline_numerics MODEL STAGES:MICROBATCHES[:REPEATS][r][g] ...` (`r`: each
+stage rematerialised; `g`: each stage's weights gathered per microbatch, not once) prints a JSON
 line per pipeline with the largest relative differences of the losses and the updated state over
 3 steps.
 
@@ -87,14 +87,18 @@ def main(name: str, shapes: list[tuple[int, ...]]):
         a, metrics = plain(a, batch)
         reference.append((a, metrics["loss"]))
     plans = {}
-    for stages, microbatches, *repeats, remat in shapes:
+    for stages, microbatches, *repeats, remat, per_microbatch in shapes:
         if stages not in plans:
             plans[stages] = partitioner.plan(
                 step, *args, devices=8, hardware="cpu", pipeline=stages, compile_check=False
             )
         plan = plans[stages]
         pipe = dataclasses.replace(
-            plan.pipeline, microbatches=microbatches, repeats=repeats[0] if repeats else 1, remat=remat
+            plan.pipeline,
+            microbatches=microbatches,
+            repeats=repeats[0] if repeats else 1,
+            remat=remat,
+            gather_once=not per_microbatch,
         )
         plan = dataclasses.replace(plan, pipeline=pipe)
         piped = plan.jit(plan.program(step), (state, batch), jax.devices(), carry={0: 0})
@@ -113,6 +117,6 @@ def main(name: str, shapes: list[tuple[int, ...]]):
 
 
 if __name__ == "__main__":
-    shapes = [(*map(int, s.rstrip("r").split(":")), s.endswith("r")) for s in sys.argv[2:]]
+    shapes = [(*map(int, s.rstrip("rg").split(":")), "r" in s, "g" in s) for s in sys.argv[2:]]
     for row in main(sys.argv[1], shapes):
         print(json.dumps(row), flush=True)

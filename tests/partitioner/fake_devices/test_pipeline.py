@@ -28,7 +28,8 @@ def _numerics(model: str, *shapes: str) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-SHAPES = ("2:2", "2:8", "4:4", "4:8:2", "2:4r", "4:8:2r")  # stages:microbatches[:repeats][r: remat]
+# stages:microbatches[:repeats][r: remat][g: weights gathered per microbatch]
+SHAPES = ("2:2", "2:8", "4:4", "4:8:2", "2:4r", "4:8:2r", "2:4g", "4:8:2g")
 
 
 @pytest.mark.parametrize("model", ["maxtext_scan", "equinox_scan", pytest.param("nnx_scan", marks=pytest.mark.slow),
@@ -37,10 +38,10 @@ def test_pipelined_program_computes_the_step(model):
     rows = _numerics(model, *SHAPES)
     assert len(rows) == len(SHAPES)
     for row, shape in zip(rows, SHAPES):
-        stages, microbatches, *repeats = map(int, shape.rstrip("r").split(":"))
+        stages, microbatches, *repeats = map(int, shape.rstrip("rg").split(":"))
         p = row["pipeline"]
         assert (p["stages"], p["microbatches"], p["repeats"]) == (stages, microbatches, repeats[0] if repeats else 1)
-        assert p["remat"] == shape.endswith("r")
+        assert p["remat"] == ("r" in shape) and p["gather_once"] == ("g" not in shape)
         assert row["mesh"]["stage"] == stages
         assert row["loss"] <= 1e-5 and row["state"] <= 1e-5, row
 
@@ -139,19 +140,44 @@ def test_a_pipeline_that_does_not_divide_is_refused_when_the_program_is_made():
         partitioner.Plan.from_json(bad.to_json()).program(step)
 
 
-def test_remat_is_chosen_where_memory_asks_and_keeps_less():
-    step, args = maxtext_scan.build(layers=8, c=dict(SMALL, seq=256, batch=16))
+def test_a_pipeline_keeps_less_where_memory_asks():
+    step, args = maxtext_scan.build(layers=8, c=dict(SMALL, seq=1024, batch=16))
     roomy = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False)
-    assert not roomy.pipeline.remat  # (it computes the forward pass again: never where memory allows)
+    # (Each way to keep less costs time: the forward pass again, or the weights moved at every tick.)
+    assert roomy.pipeline.gather_once and not roomy.pipeline.remat
     limit = roomy.cost.peak_bytes_per_device - 1
     tight = partitioner.plan(step, *args, devices=8, hardware="cpu", pipeline=2, compile_check=False,
                              memory_limit=limit)  # fmt: skip
-    assert tight.pipeline.remat and tight.cost.peak_bytes_per_device <= limit
-    assert tight.cost.compute_seconds > roomy.cost.compute_seconds
-    assert any("stages rematerialised" in n for n in tight.notes)
+    assert tight.cost.peak_bytes_per_device <= limit < roomy.cost.peak_bytes_per_device
+    assert tight.cost.total_seconds > roomy.cost.total_seconds
+    assert tight.pipeline.remat or not tight.pipeline.gather_once, tight.pipeline
+    said = "stages rematerialised" if tight.pipeline.remat else "weights gathered per microbatch"
+    assert any(said in n for n in tight.notes), tight.notes
     temp = {}
-    for remat in (False, True):  # the compile keeps less too, for the same pipeline otherwise
-        plan = dataclasses.replace(tight, pipeline=dataclasses.replace(tight.pipeline, remat=remat))
+    for remat in (False, True):  # a stage rematerialised: the compile keeps less, the pipeline otherwise the same
+        pipe = dataclasses.replace(tight.pipeline, gather_once=True, remat=remat)
+        plan = dataclasses.replace(tight, pipeline=pipe)
         compiled = plan.jit(plan.program(step), args, jax.devices()).lower(*args).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[True] < temp[False], temp
+
+
+def test_a_stage_too_large_to_gather_is_split_with_megatron_or_gathered_per_microbatch():
+    """A Llama-13B-shaped scanned step on 4 slices of 8 tpu-v5e chips: a stage of FSDP gathered
+    once holds its 10 layers' weights and their gradients' sums on every chip, over 16 GB. The
+    planner still pipelines it, a stage split with Megatron over 2 of its chips; with less memory
+    still, each stage's weights gathered per microbatch; with less again, no pipeline fits."""
+    from tests.corpus import llama_scan
+
+    step, args = llama_scan.build(layers=40, c=dict(llama_scan.THIRTEEN_B, seq=2048))
+    fits = partitioner.plan(step, *args, devices=32, slices=4, hardware="tpu-v5e", compile_check=False)
+    assert fits.pipeline is not None and fits.pipeline.gather_once and fits.mesh["stage"] == 4
+    assert fits.mesh.get("model", 1) > 1 and fits.cost.peak_bytes_per_device <= 16e9
+    tighter = partitioner.plan(step, *args, devices=32, slices=4, hardware="tpu-v5e", compile_check=False,
+                               memory_limit=10 * 2**30)  # fmt: skip
+    assert tighter.pipeline is not None and not tighter.pipeline.gather_once
+    assert any("weights gathered per microbatch" in n for n in tighter.notes)
+    flat = partitioner.plan(step, *args, devices=32, slices=4, hardware="tpu-v5e", compile_check=False,
+                            memory_limit=6 * 2**30)  # fmt: skip
+    assert flat.pipeline is None
+    assert any(n.startswith("no pipeline: none of") and "per microbatch" in n for n in flat.notes), flat.notes
