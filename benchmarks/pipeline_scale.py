@@ -1,4 +1,4 @@
-"""Plans at the scale remesh is for: a Llama-7B-shaped step on 4 slices of 8 fake devices, the fast
+"""Plans at the scale remesh is for: a Llama-7B- or 13B-shaped step on 4 slices of 8 fake devices, the fast
 plan (pipelines searched) against hand-written plans, each compiled as it runs (`Plan.program`)
 and priced from the optimized HLO: every loop body's matmuls and collectives once per trip, each
 collective on the link level its replica groups cross (`partitioner.verify`).
@@ -13,6 +13,9 @@ Experts, on 32 devices in 4 slices:
     gpipe                   one stage per slice (stage=4 x data=8), FSDP inside, 4 microbatches,
                             each stage's weights gathered once per step
     gpipe, remat            the same with each stage's forward computed again in its backward pass
+    gpipe x megatron+fsdp   the GPipe with Megatron over 2 of a stage's devices (data=4 x model=2)
+    gpipe, per microbatch   the GPipe with each stage's weights gathered layer by layer at each
+                            microbatch, as the stage applies them (MaxText's default)
     hsdp x megatron+fsdp    replica=4 x data=4 x model=2, constrained (its tensor-parallel rule)
 
 Peak memory: the planner's prediction is for the accelerator's layout (bfloat16 as bfloat16); the
@@ -24,8 +27,9 @@ layer, as MaxText's `remat_policy="full"`), for which the constrained and pipeli
 exist (no scan to constrain or to pipeline) and its hsdp x megatron+fsdp is its inputs' shardings.
 
 An expert's predicted peak is the planner's memory model's (its leaves annotated on the step's
-graph and priced as a candidate is): "x best expert predicted to fit" leaves out those over the
-profile's memory, which a compile on CPU cannot tell.
+graph and priced as a candidate is; a GPipe's, its stage's plan so priced and the pipeline over it
+as the planner prices one): "x best expert predicted to fit" leaves out those over the profile's
+memory, which a compile on CPU cannot tell. `--experts NAME ...` compiles only those.
 
 The profiles' batches: tpu-v5e 32 sequences of 2,048 tokens, h100 32 of 8,192 (as issue 42 says).
 """
@@ -44,7 +48,7 @@ SEQ = {"tpu-v5e": 2048, "h100": 8192}
 SIZES = {"7b": ("SEVEN_B", 32), "13b": ("THIRTEEN_B", 40)}  # the model's shape, and its layers
 
 
-def experts(module, fn, args, scanned: bool, layers: int):
+def experts(module, fn, args, scanned: bool, layers: int, names=None):
     from jax.sharding import PartitionSpec as P
 
     from partitioner import Pipeline, ScanLayout
@@ -53,6 +57,13 @@ def experts(module, fn, args, scanned: bool, layers: int):
     batch = args[1]["inputs"].shape[0]
     none = lambda path, shape: None  # noqa: E731
     stacked = lambda path, shape: ("stage",) + (None,) * (len(shape) - 1) if "/layers/" in path else None  # noqa: E731
+    staged_tp = (
+        lambda path, shape: (  # noqa: E731
+            ("stage", *(module.tensor_parallel(path, shape) or (None,) * len(shape))[1:])
+            if "/layers/" in path
+            else None
+        )
+    )
     tp = lambda path, shape: module.tensor_parallel(path, shape) if "/layers/" in path else None  # noqa: E731
     made = {
         "fsdp, inputs only": (Expert("fsdp", {"data": 32}, none, fsdp=True), None, None),
@@ -65,11 +76,17 @@ def experts(module, fn, args, scanned: bool, layers: int):
                   Pipeline(4, 4, layers=layers, gather_once=True)),
         "gpipe, remat": (Expert("gpipe", {"stage": 4, "data": 8}, stacked, fsdp=True), ("data",),
                          Pipeline(4, 4, layers=layers, gather_once=True, remat=True)),
+        "gpipe x megatron+fsdp": (Expert("gpipe", {"stage": 4, "data": 4, "model": 2}, staged_tp, fsdp=True),
+                                  ("data",), Pipeline(4, 4, layers=layers, gather_once=True)),
+        "gpipe, per microbatch": (Expert("gpipe", {"stage": 4, "data": 8}, stacked, fsdp=True), ("data",),
+                                  Pipeline(4, 4, layers=layers, gather_once=False)),
     }  # fmt: skip
     if not scanned:  # a Python loop of layers: no scan to constrain or pipeline by hand either
         made = {k: (e, None, None) for k, (e, carry, pipe) in made.items() if carry is None or k.startswith("hsdp x")}
     out = {}
     for name, (expert, carry, pipe) in made.items():
+        if names and name not in names:
+            continue
         plan = expert_plan(expert, fn, args, slices=4)
         if pipe is not None:  # the batch split over stages too, outside the pipeline
             plan = dataclasses.replace(plan, in_specs=(plan.in_specs[0], {k: P(("stage", "data")) for k in args[1]}))
@@ -78,7 +95,7 @@ def experts(module, fn, args, scanned: bool, layers: int):
     return out
 
 
-def one(model: str, hardware: str, size: str = "7b") -> list[str]:
+def one(model: str, hardware: str, size: str = "7b", names=None) -> list[str]:
     from partitioner import plan, verify_many
     from partitioner.analysis import read_inputs
     from partitioner.hardware import profile
@@ -93,7 +110,7 @@ def one(model: str, hardware: str, size: str = "7b") -> list[str]:
     t = time.perf_counter()
     mine = plan(fn, *args, devices=32, slices=4, hardware=hardware, compile_check=False)
     seconds = time.perf_counter() - t
-    hand = experts(module, fn, args, scanned, layers)
+    hand = experts(module, fn, args, scanned, layers, names)
     inputs = read_inputs(fn, args, None)
     peaks = {name: predicted_peak(p, fn, args, hardware, inputs) for name, p in hand.items()}
     found = verify_many([(p, fn, args) for p in [mine, *hand.values()]], hardware=hardware, threads=1)
@@ -120,16 +137,47 @@ def one(model: str, hardware: str, size: str = "7b") -> list[str]:
 def predicted_peak(plan, fn, args, hardware: str, inputs) -> float | None:
     """A hand-written plan's peak bytes per device as the planner's memory model predicts it (the
     plan's leaves annotated on the step's graph, propagated and priced as a candidate is): what
-    says whether it fits the profile's memory, which a compile on CPU cannot. None for a pipeline
-    (priced otherwise)."""
+    says whether it fits the profile's memory, which a compile on CPU cannot. A pipeline: its
+    stage's plan (the specs without the stage axis, on a stage's devices) priced so, and the
+    pipeline over it as the planner prices one (`pipelines.cost_of`)."""
+    from partitioner.hardware import profile
+    from partitioner.layerscan import find_layer_scan
+    from partitioner.pipelines import cost_of
+
+    hw = profile(hardware).sliced(plan.devices, plan.slices)
+    if plan.pipeline is not None:
+        s = plan.pipeline.stages
+        stage = dataclasses.replace(
+            plan,
+            mesh={k: v for k, v in plan.mesh.items() if k != "stage"},
+            in_specs=tuple(_unstaged(x) for x in plan.in_specs),
+            pipeline=None,
+            devices=plan.devices // s,
+            slices=max(plan.slices // s, 1),
+        )
+        inner = _candidate(stage, args, inputs, hw.sliced(stage.devices, stage.slices))
+        scan, _ = find_layer_scan(fn, args, inputs.batch_argnums)
+        return cost_of(plan.pipeline, scan, inner, inputs, plan.devices, hw).peak_bytes_per_device
+    return _candidate(plan, args, inputs, hw).cost.peak_bytes_per_device
+
+
+def _unstaged(tree):
+    """Specs without the stage axis."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from partitioner.pipelines import _drop
+
+    return jax.tree.map(lambda s: P(*(_drop(e, "stage") for e in s)), tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _candidate(plan, args, inputs, hw):
+    """`plan`'s leaves annotated on the step's graph, propagated and priced as a candidate is."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     from partitioner.candidates import Tactic, TacticPlan, priced_each
-    from partitioner.hardware import profile
 
-    if plan.pipeline is not None:
-        return None
     specs = [
         s
         for a, arg in enumerate(args)
@@ -142,9 +190,8 @@ def predicted_peak(plan, fn, args, hardware: str, inputs) -> float | None:
         annotations.setdefault(v, tuple(entries + [()] * (len(values[v].shape) - len(entries))))
     batch = {v: annotations[v] for v in inputs.batch_values}
     task = TacticPlan(Tactic("expert"), dict(plan.mesh), annotations, batch)
-    hw = profile(hardware).sliced(plan.devices, plan.slices)
     (candidate,) = priced_each(inputs, [task], hw)
-    return candidate.cost.peak_bytes_per_device
+    return candidate
 
 
 def _levels(v) -> str:
@@ -187,6 +234,7 @@ def main() -> None:
     ap.add_argument("--profiles", nargs="*", default=["tpu-v5e", "h100"])
     ap.add_argument("--models", nargs="*", default=["llama_scan"])
     ap.add_argument("--sizes", nargs="*", default=["7b"], choices=sorted(SIZES))
+    ap.add_argument("--experts", nargs="*", help="only these hand plans (by name), to time fewer compiles")
     ap.add_argument("--plantime", action="store_true", help="plan time with pipelines searched against off")
     a = ap.parse_args()
     if a.plantime:
@@ -201,7 +249,7 @@ def main() -> None:
     for model in a.models:
         for size in a.sizes:
             for hardware in a.profiles:
-                print("\n".join(one(model, hardware, size)), flush=True)
+                print("\n".join(one(model, hardware, size, a.experts)), flush=True)
 
 
 if __name__ == "__main__":
