@@ -1,6 +1,7 @@
 """`plan.program(step)` pipelined against the plain step, for one scanned corpus model at a small
-size: `python -m tests.helpers.pipeline_numerics MODEL STAGES:MICROBATCHES[:REPEATS][r][g] ...` (`r`: each
-stage rematerialised; `g`: each stage's weights gathered per microbatch, not once) prints a JSON
+size: `python -m tests.helpers.pipeline_numerics MODEL STAGES:MICROBATCHES[:REPEATS][r][f][g] ...` (`r`: each
+stage rematerialised; `f`: FSDP inside each stage, its weights gathered once per step, or with
+`g` per microbatch) prints a JSON
 line per pipeline with the largest relative differences of the losses and the updated state over
 3 steps.
 
@@ -87,12 +88,13 @@ def main(name: str, shapes: list[tuple[int, ...]]):
         a, metrics = plain(a, batch)
         reference.append((a, metrics["loss"]))
     plans = {}
-    for stages, microbatches, *repeats, remat, per_microbatch in shapes:
-        if stages not in plans:
-            plans[stages] = partitioner.plan(
-                step, *args, devices=8, hardware="cpu", pipeline=stages, compile_check=False
-            )
-        plan = plans[stages]
+    for stages, microbatches, *repeats, remat, fsdp, per_microbatch in shapes:
+        if (stages, fsdp) not in plans:
+            plans[stages, fsdp] = partitioner.plan(
+                step, *args, devices=8, hardware="cpu", pipeline=stages, compile_check=False,
+                tactics=("fsdp",) if fsdp else None,
+            )  # fmt: skip
+        plan = plans[stages, fsdp]
         pipe = dataclasses.replace(
             plan.pipeline,
             microbatches=microbatches,
@@ -110,6 +112,7 @@ def main(name: str, shapes: list[tuple[int, ...]]):
         yield {
             "model": name,
             "mesh": dict(plan.mesh),
+            "tactic": plan.tactic,
             "pipeline": pipe.to_dict(),
             "loss": max(losses),
             "state": max(states),
@@ -117,6 +120,6 @@ def main(name: str, shapes: list[tuple[int, ...]]):
 
 
 if __name__ == "__main__":
-    shapes = [(*map(int, s.rstrip("rg").split(":")), "r" in s, "g" in s) for s in sys.argv[2:]]
+    shapes = [(*map(int, s.rstrip("rfg").split(":")), "r" in s, "f" in s, "g" in s) for s in sys.argv[2:]]
     for row in main(sys.argv[1], shapes):
         print(json.dumps(row), flush=True)

@@ -28,8 +28,8 @@ def _numerics(model: str, *shapes: str) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-# stages:microbatches[:repeats][r: remat][g: weights gathered per microbatch]
-SHAPES = ("2:2", "2:8", "4:4", "4:8:2", "2:4r", "4:8:2r", "2:4g", "4:8:2g")
+# stages:microbatches[:repeats][r: remat][f: FSDP inside each stage][g: its weights gathered per microbatch]
+SHAPES = ("2:2", "2:8", "4:4", "4:8:2", "2:4r", "4:8:2r", "2:4f", "2:4fg", "4:8:2fg")
 
 
 @pytest.mark.parametrize("model", ["maxtext_scan", "equinox_scan", pytest.param("nnx_scan", marks=pytest.mark.slow),
@@ -38,10 +38,11 @@ def test_pipelined_program_computes_the_step(model):
     rows = _numerics(model, *SHAPES)
     assert len(rows) == len(SHAPES)
     for row, shape in zip(rows, SHAPES):
-        stages, microbatches, *repeats = map(int, shape.rstrip("rg").split(":"))
+        stages, microbatches, *repeats = map(int, shape.rstrip("rfg").split(":"))
         p = row["pipeline"]
         assert (p["stages"], p["microbatches"], p["repeats"]) == (stages, microbatches, repeats[0] if repeats else 1)
         assert p["remat"] == ("r" in shape) and p["gather_once"] == ("g" not in shape)
+        assert ("f" not in shape) or row["tactic"] == "pipeline+fsdp", row  # (weights split: gathers to make)
         assert row["mesh"]["stage"] == stages
         assert row["loss"] <= 1e-5 and row["state"] <= 1e-5, row
 
