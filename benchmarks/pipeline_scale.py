@@ -29,7 +29,8 @@ exist (no scan to constrain or to pipeline) and its hsdp x megatron+fsdp is its 
 An expert's predicted peak is the planner's memory model's (its leaves annotated on the step's
 graph and priced as a candidate is; a GPipe's, its stage's plan so priced and the pipeline over it
 as the planner prices one): "x best expert predicted to fit" leaves out those over the profile's
-memory, which a compile on CPU cannot tell. `--experts NAME ...` compiles only those.
+memory, which a compile on CPU cannot tell. `--experts NAME ...` compiles only those; `--memory
+GiB` plans for less memory than the profile's, and judges the experts' fit by it.
 
 The profiles' batches: tpu-v5e 32 sequences of 2,048 tokens, h100 32 of 8,192 (as issue 42 says).
 """
@@ -95,7 +96,7 @@ def experts(module, fn, args, scanned: bool, layers: int, names=None):
     return out
 
 
-def one(model: str, hardware: str, size: str = "7b", names=None) -> list[str]:
+def one(model: str, hardware: str, size: str = "7b", names=None, memory: float | None = None) -> list[str]:
     from partitioner import plan, verify_many
     from partitioner.analysis import read_inputs
     from partitioner.hardware import profile
@@ -108,7 +109,8 @@ def one(model: str, hardware: str, size: str = "7b", names=None) -> list[str]:
     fn, args = module.build(layers=layers, c=c, **remat)
     scanned = find_layer_scan(fn, args, (1,))[0] is not None
     t = time.perf_counter()
-    mine = plan(fn, *args, devices=32, slices=4, hardware=hardware, compile_check=False)
+    limit = int(memory * 2**30) if memory else profile(hardware).memory_bytes
+    mine = plan(fn, *args, devices=32, slices=4, hardware=hardware, compile_check=False, memory_limit=limit)
     seconds = time.perf_counter() - t
     hand = experts(module, fn, args, scanned, layers, names)
     inputs = read_inputs(fn, args, None)
@@ -116,7 +118,6 @@ def one(model: str, hardware: str, size: str = "7b", names=None) -> list[str]:
     found = verify_many([(p, fn, args) for p in [mine, *hand.values()]], hardware=hardware, threads=1)
     price = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
     best_name, best = min(zip(hand, found[1:]), key=lambda x: price(x[1]))
-    limit = profile(hardware).memory_bytes
     fits = [(n, x) for n, x in zip(hand, found[1:]) if peaks[n] is None or peaks[n] <= limit]
     fit_name, fit_best = min(fits, key=lambda x: price(x[1]))
     v = found[0]
@@ -235,6 +236,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=["llama_scan"])
     ap.add_argument("--sizes", nargs="*", default=["7b"], choices=sorted(SIZES))
     ap.add_argument("--experts", nargs="*", help="only these hand plans (by name), to time fewer compiles")
+    ap.add_argument(
+        "--memory", type=float, help="GiB per device the plan and the experts must fit (default: the profile's)"
+    )
     ap.add_argument("--plantime", action="store_true", help="plan time with pipelines searched against off")
     a = ap.parse_args()
     if a.plantime:
@@ -249,7 +253,7 @@ def main() -> None:
     for model in a.models:
         for size in a.sizes:
             for hardware in a.profiles:
-                print("\n".join(one(model, hardware, size, a.experts)), flush=True)
+                print("\n".join(one(model, hardware, size, a.experts, a.memory)), flush=True)
 
 
 if __name__ == "__main__":
