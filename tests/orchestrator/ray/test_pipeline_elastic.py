@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def run_job(tmp_path_factory, name: str, chaos: str | None = None) -> dict:
     d = tmp_path_factory.mktemp(name)
     job = d / "job.toml"
-    job.write_text(gpt_job(name, 50, max_hosts=4, checkpoint_dir="ckpt", program="examples.gpt.model:scanned_program",
+    job.write_text(gpt_job(name, 60, max_hosts=4, checkpoint_dir="ckpt", program="examples.gpt.model:scanned_program",
                            pipeline=4, options="layers = 4"))  # fmt: skip
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(job), "--summary", str(d / "summary.json"),
            "--store", str(d / "fleet.db")] + (["--chaos", chaos] if chaos else [])  # fmt: skip
@@ -40,7 +40,7 @@ def static(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory):
-    return run_job(tmp_path_factory, "elastic", "lose@20,add@35")
+    return run_job(tmp_path_factory, "elastic", "lose@20,add@40")
 
 
 def test_every_segment_is_pipelined_on_the_hosts_it_has(elastic):
@@ -55,7 +55,7 @@ def test_every_segment_is_pipelined_on_the_hosts_it_has(elastic):
 def test_losses_are_the_static_runs(elastic, static):
     assert all("stage" in s["mesh"] for s in static["segments"])
     got, want = np.array(elastic["losses"], float), np.array(static["losses"], float)
-    assert len(got) == len(want) == 50 and not np.isnan(got).any()
+    assert len(got) == len(want) == 60 and not np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
