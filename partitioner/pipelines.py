@@ -114,6 +114,8 @@ class Priced:
 # Remat (each stage's forward on a microbatch computed again in its backward pass) keeps a stage's
 # input per tick instead of every layer's, for one more forward pass of the layers: priced with
 # the weights gathered once (gathered per microbatch, it would gather them once more, unpriced).
+# Gathering per microbatch is a form only where the stage's weights are split over the batch's
+# axes (FSDP): otherwise there is nothing to gather, and the two forms run the same collectives.
 _FORMS = ((True, False), (False, False), (True, True))  # (gather_once, remat)
 
 
@@ -129,6 +131,8 @@ def priced(scan: LayerScan, inner: Sequence[Candidate], inputs: Inputs, stages: 
         for repeats in [r for r in (1, 2, 4) if scan.length % (stages * r) == 0]:
             for m in _microbatch_counts(scan.batch, parts.batch_split, stages, repeats):
                 for once, remat in _FORMS:
+                    if not once and parts.gathered_bytes <= parts.weight_bytes:
+                        continue
                     p = Pipeline(stages, m, repeats, layers=scan.length, gather_once=once, remat=remat)
                     cost, sends = _cost(p, parts, link, hw)
                     if cost.peak_bytes_per_device <= limit:

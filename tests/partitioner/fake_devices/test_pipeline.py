@@ -155,8 +155,12 @@ def test_a_pipeline_keeps_less_where_memory_asks():
     said = "stages rematerialised" if tight.pipeline.remat else "weights gathered per microbatch"
     assert any(said in n for n in tight.notes), tight.notes
     temp = {}
-    for remat in (False, True):  # a stage rematerialised: the compile keeps less, the pipeline otherwise the same
-        pipe = dataclasses.replace(tight.pipeline, gather_once=True, remat=remat)
+    # A stage rematerialised keeps less in the compile too, the pipeline otherwise the same. (No
+    # repeats: each stage applies several layers a tick, whose inputs remat does not keep. The
+    # compile of a stage gathered per microbatch keeps less only where weights outweigh the
+    # activations: at 13B, not at this size; see benchmarks/history.md.)
+    for remat in (False, True):
+        pipe = dataclasses.replace(tight.pipeline, gather_once=True, remat=remat, repeats=1)
         plan = dataclasses.replace(tight, pipeline=pipe)
         compiled = plan.jit(plan.program(step), args, jax.devices()).lower(*args).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
