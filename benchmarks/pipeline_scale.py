@@ -58,13 +58,12 @@ def experts(module, fn, args, scanned: bool, layers: int, names=None):
     batch = args[1]["inputs"].shape[0]
     none = lambda path, shape: None  # noqa: E731
     stacked = lambda path, shape: ("stage",) + (None,) * (len(shape) - 1) if "/layers/" in path else None  # noqa: E731
-    staged_tp = (
-        lambda path, shape: (  # noqa: E731
-            ("stage", *(module.tensor_parallel(path, shape) or (None,) * len(shape))[1:])
-            if "/layers/" in path
-            else None
-        )
-    )
+
+    def staged_tp(path, shape):  # the stage axis on the layer dimension, Megatron's rule on the rest
+        if "/layers/" not in path:
+            return None
+        return ("stage", *(module.tensor_parallel(path, shape) or (None,) * len(shape))[1:])
+
     tp = lambda path, shape: module.tensor_parallel(path, shape) if "/layers/" in path else None  # noqa: E731
     made = {
         "fsdp, inputs only": (Expert("fsdp", {"data": 32}, none, fsdp=True), None, None),
@@ -118,7 +117,7 @@ def one(model: str, hardware: str, size: str = "7b", names=None, memory: float |
     found = verify_many([(p, fn, args) for p in [mine, *hand.values()]], hardware=hardware, threads=1)
     price = lambda v: v.compute_seconds + v.communication_seconds  # noqa: E731
     best_name, best = min(zip(hand, found[1:]), key=lambda x: price(x[1]))
-    fits = [(n, x) for n, x in zip(hand, found[1:]) if peaks[n] is None or peaks[n] <= limit]
+    fits = [(n, x) for n, x in zip(hand, found[1:]) if peaks[n] <= limit]
     fit_name, fit_best = min(fits, key=lambda x: price(x[1]))
     v = found[0]
     rows = [
@@ -130,12 +129,12 @@ def one(model: str, hardware: str, size: str = "7b", names=None, memory: float |
     ]
     rows += [f"|  | | {name} | | | {price(x):.3f} | {price(x) / price(best):.2f} | | | {_levels(x)} | "
              f"{f'{hand[name].pipeline.bubble:.0%}' if hand[name].pipeline else '-'} | "
-             f"{'-' if peaks[name] is None else f'{peaks[name] / 2**30:.1f}'} / {x.peak_bytes / 2**30:.1f} |"
+             f"{peaks[name] / 2**30:.1f} / {x.peak_bytes / 2**30:.1f} |"
              for name, x in zip(hand, found[1:])]  # fmt: skip
     return rows
 
 
-def predicted_peak(plan, fn, args, hardware: str, inputs) -> float | None:
+def predicted_peak(plan, fn, args, hardware: str, inputs) -> int:
     """A hand-written plan's peak bytes per device as the planner's memory model predicts it (the
     plan's leaves annotated on the step's graph, propagated and priced as a candidate is): what
     says whether it fits the profile's memory, which a compile on CPU cannot. A pipeline: its
